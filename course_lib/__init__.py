@@ -1,0 +1,29 @@
+"""course_lib: data-parallel training's communication, written by hand so it can be read.
+
+    launch(fn, world_size)      run fn(rank, world_size) on N local ranks (processes)
+    p2p                         send / recv / isend / irecv, counted and traced
+    traffic                     record() what a rank sent and received
+    collectives                 broadcast, scatter, gather, all_gather, all_to_all, reduce,
+                                all_reduce, reduce_scatter from p2p messages
+    allreduce                   naive, parameter_server, ring (+ its two phases)
+"""
+
+from course_lib import allreduce, collectives, ops, p2p, traffic
+from course_lib._checks import MismatchError, unchecked
+from course_lib.launch import (
+    LaunchError,
+    LaunchTimeoutError,
+    RankFailedError,
+    launch,
+    resolve_backend,
+    run_torchrun,
+    under_torchrun,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "launch", "run_torchrun", "under_torchrun", "resolve_backend",
+    "LaunchError", "RankFailedError", "LaunchTimeoutError", "MismatchError", "unchecked",
+    "p2p", "traffic", "collectives", "allreduce", "ops",
+]

@@ -1,0 +1,156 @@
+"""Agree before communicating: every rank checks that all ranks called a collective the same way.
+
+gloo cannot tell a learner "rank 2 passed 5 elements and rank 0 passed 4": a longer message than the
+receive buffer aborts the receiving process, a shorter one silently fills only part of it (a wrong
+answer), and a rank that raised early leaves its partners waiting forever. So before an algorithm
+sends anything, each rank shares a few integers describing its call (is my input valid, how many
+elements, which dtype, which root, which op) with every other rank, and every rank raises the same
+clear error if they disagree.
+
+This guard is not part of the algorithms being taught: it uses the built-in `all_gather` on one
+small int64 tensor and is not counted by `course_lib.traffic`. `unchecked()` switches it off (the
+benchmarks do, so they time only the algorithm); a rank's own bad argument is still reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MismatchError", "agree", "unchecked", "dtype_code", "metadata_device"]
+
+_enabled = True
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+class MismatchError(ValueError):
+    """The ranks called the same collective with arguments that do not fit together."""
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Skip the cross-rank agreement inside the block (benchmarks); local checks still run."""
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
+def dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "another dtype"
+
+
+def metadata_device(tensor=None) -> torch.device:
+    """Where the small metadata tensor must live: NCCL only moves GPU tensors."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.device
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _by_value(values) -> str:
+    groups: dict = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    parts = []
+    for value, ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        parts.append(f"{who}: {value}")
+    return "; ".join(parts)
+
+
+def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None = None,
+          device: torch.device | None = None, describe: dict | None = None) -> list[dict]:
+    """Share `fields` (name -> int) with every rank and check the ones named in `same` agree.
+
+    Args:
+        call: the collective's name, for messages.
+        fields: this rank's description of its call, e.g. {"numel": 12, "dtype": 0, "root": 0}.
+        same: names of fields that must be equal on every rank.
+        problem: an exception this rank found in its own arguments; it is raised here, and every
+            other rank raises too instead of waiting for this one.
+        device: where to put the metadata tensor (see `metadata_device`).
+        describe: optional name -> function(int) -> str to print a field's values readably.
+
+    Returns:
+        Every rank's fields, index = rank (empty when the check is switched off).
+    """
+    if not _enabled:
+        if problem is not None:
+            raise problem
+        return []
+    names = list(fields)
+    row = torch.tensor([1 if problem is not None else 0] + [int(fields[n]) for n in names],
+                       dtype=torch.int64, device=device or torch.device("cpu"))
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    table = [dict(zip(names, r.tolist()[1:])) for r in rows]
+    failed = [rank for rank, r in enumerate(rows) if int(r[0]) != 0]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise MismatchError(f"{call}: rank(s) {failed} passed invalid arguments (see their own error for what); "
+                            "every rank stops here instead of waiting for them.")
+    describe = {"dtype": _dtype_name, **(describe or {})}
+    for name in same:
+        values = [r[name] for r in table]
+        if len(set(values)) > 1:
+            shown = [describe.get(name, str)(v) for v in values]
+            raise MismatchError(f"{call}: the ranks disagree about {name}: {_by_value(shown)}. "
+                                f"Every rank must call {call} with the same {name}.")
+    return table
+
+
+def prepare(call: str, tensor, op=None, root=None, local=None, same=("numel", "dtype", "op", "root")):
+    """Check one rank's arguments, agree on them with every other rank, and return the op's name.
+
+    Args:
+        call: the function's name, for messages ('all_reduce', 'allreduce.ring', ...).
+        tensor: the tensor this rank passed (checked to be one).
+        op: the reduce op, or None for collectives without one.
+        root: src/dst for rooted collectives, or None.
+        local: optional function raising TypeError/ValueError for further local problems.
+        same: the fields that must agree across ranks.
+
+    Raises:
+        TypeError / ValueError on the rank whose own argument is wrong; MismatchError on every other
+        rank (and on every rank when the ranks disagree with each other).
+    """
+    from course_lib import ops  # ops is tiny and imports nothing of ours
+
+    problem = None
+    try:
+        op = None if op is None else ops.normalize(op)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{call} expects a torch.Tensor, got {type(tensor).__name__}. "
+                            "Wrap your data first, e.g. torch.tensor(values).")
+        why = op and ops.check_dtype(op, tensor.dtype)
+        if why:
+            raise TypeError(f"{call}: {why}")
+        world_size = dist.get_world_size()
+        if root is not None and (isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size):
+            raise ValueError(f"{call}: rank {root!r} is not in the group; the ranks are 0..{world_size - 1} "
+                             f"(world_size={world_size}).")
+        if local is not None:
+            local()
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    is_tensor = isinstance(tensor, torch.Tensor)
+    fields = {"numel": tensor.numel() if is_tensor else -1,
+              "dtype": dtype_code(tensor.dtype) if is_tensor else -1,
+              "op": ops.OPS.index(op) if op in ops.OPS else -1,
+              "root": root if isinstance(root, int) and problem is None else -1}
+    agree(call, fields, same=same, problem=problem, device=metadata_device(tensor if is_tensor else None),
+          describe={"op": lambda i: ops.OPS[i] if 0 <= i < len(ops.OPS) else "none", "numel": str})
+    return op

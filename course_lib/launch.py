@@ -1,0 +1,608 @@
+"""Run one SPMD function on N local ranks, from a notebook cell or a script.
+
+    results = launch(fn, world_size=4)      # fn(rank, world_size) runs in 4 processes
+
+Every rank is a real process with its own `torch.distributed` process group, exactly as under
+`torchrun`; `launch` only saves you from opening four terminals. What it adds for learning:
+
+* output: what each rank prints is collected and shown grouped by rank, "[rank 0] ..." first,
+  the same on every run (live output from four processes would interleave at random);
+* errors: an exception on any rank stops every rank within a fraction of a second and is raised
+  here as `RankFailedError`, naming the rank and carrying its traceback. A rank killed by a signal
+  (gloo aborts a process whose receive buffer is too small) is reported the same way, with the
+  signal and the last lines it wrote to stderr;
+* deadlocks: after `timeout` seconds `LaunchTimeoutError` says, for every rank, which send or recv
+  it was blocked in, so the cycle of waiting ranks can be read off;
+* cleanup: no child process, store file or socket outlives the call, whatever happened.
+
+Under `torchrun` the same function runs unchanged: see `run_torchrun`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from course_lib import _rankstate
+
+DEFAULT_TIMEOUT = 20.0
+# The process group's own timeout is a little longer than the launcher's watchdog, so that on a
+# deadlock the watchdog fires first and can report every rank's state before anyone raises.
+_GROUP_TIMEOUT_GRACE = 10.0
+_STDERR_TAIL_LINES = 20
+
+__all__ = [
+    "launch",
+    "run_torchrun",
+    "under_torchrun",
+    "resolve_backend",
+    "LaunchError",
+    "RankFailedError",
+    "LaunchTimeoutError",
+]
+
+
+class LaunchError(RuntimeError):
+    """Base class of everything `launch` raises about the ranks it ran."""
+
+
+class RankFailedError(LaunchError):
+    """A rank raised an exception or died; the other ranks were stopped.
+
+    Attributes:
+        rank: the rank that failed first.
+        exc_type: name of the exception class it raised ('' if it died without one).
+        rank_traceback: that rank's formatted traceback ('' if it died without one).
+        exitcode: the process exit code; negative means killed by signal ``-exitcode``.
+        stderr_tail: the last lines the rank wrote to stderr.
+    """
+
+    def __init__(self, message, *, rank, exc_type="", rank_traceback="", exitcode=None, stderr_tail=""):
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.rank_traceback = rank_traceback
+        self.exitcode = exitcode
+        self.stderr_tail = stderr_tail
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The ranks did not finish within `timeout` seconds.
+
+    Attributes:
+        blocked: dict rank -> what that rank was doing when time ran out, e.g.
+            "recv(src=1, shape=(4,), dtype=torch.float32)".
+    """
+
+    def __init__(self, message, *, blocked):
+        super().__init__(message)
+        self.blocked = blocked
+
+
+# --------------------------------------------------------------------------------------------------
+# Choosing a backend and a start method
+# --------------------------------------------------------------------------------------------------
+
+
+def _visible_gpu_count() -> int:
+    # device_count() asks NVML when it can, so it does not initialise CUDA in this process
+    # (which would make later forks unsafe).
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver counts as no GPU
+        return 0
+
+
+def resolve_backend(backend: str, world_size: int, gpus_per_node: int | None = None) -> str:
+    """Turn "auto" into "gloo" or "nccl" and check the choice can work.
+
+    "auto" picks NCCL when there is a GPU for every rank, else gloo on the CPU. Asking for NCCL
+    with fewer GPUs than ranks is an error: NCCL needs one GPU per rank.
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    gpus = _visible_gpu_count()
+    need = world_size if gpus_per_node is None else gpus_per_node
+    if backend == "auto":
+        return "nccl" if gpus >= need and gpus > 0 and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ValueError(
+                "backend='nccl' was asked for, but this PyTorch build has no NCCL (a CPU-only build?). "
+                "Use backend='gloo' to run the ranks on the CPU."
+            )
+        if gpus < need:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: {need} ranks on this machine but {gpus} GPU(s) visible. "
+                f"Use backend='gloo' (runs on the CPU), or a world_size of at most {gpus}, "
+                "or spread the ranks over several machines with torchrun."
+            )
+    return backend
+
+
+def _start_method() -> str:
+    # fork is fast (no new interpreter, no torch import) and carries functions defined in a notebook.
+    # It is unsafe once CUDA is initialised in this process, and not offered on Windows; there we
+    # spawn fresh interpreters and ship the function with cloudpickle instead.
+    if sys.platform.startswith("linux") and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _loopback_interface() -> str | None:
+    for name in ("lo", "lo0"):
+        if os.path.exists(f"/sys/class/net/{name}") or (name == "lo0" and sys.platform == "darwin"):
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside a rank
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankFiles:
+    """Paths one rank uses to talk back to the launcher: every one lives in the launch's temp dir."""
+
+    workdir: str
+    rank: int
+
+    def path(self, kind: str) -> str:
+        return os.path.join(self.workdir, f"{kind}.{self.rank}")
+
+    @property
+    def stdout(self):
+        return self.path("stdout")
+
+    @property
+    def stderr(self):
+        return self.path("stderr")
+
+    @property
+    def result(self):
+        return self.path("result")
+
+    @property
+    def status(self):
+        return self.path("status")
+
+    @property
+    def stack(self):
+        return self.path("stack")
+
+
+class _CpuPickler(pickle.Pickler):
+    """Pickles return values; CUDA tensors come back as CPU tensors.
+
+    Unpickling a CUDA tensor in the notebook would initialise CUDA there, and after that the
+    launcher could no longer fork. A CPU copy is what a learner wants to plot or compare anyway.
+    """
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _write_atomically(path: str, payload: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, path)
+
+
+def _redirect_output(files: _RankFiles):
+    """Send this rank's stdout/stderr (Python and C level) to its own files, line-buffered."""
+    for fd, path in ((1, files.stdout), (2, files.stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this rank if the launching process dies (kernel restart, kill -9)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except Exception:
+        pass
+
+
+def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
+    """Entry point of every launched rank (runs in the child process)."""
+    files = _RankFiles(workdir, rank)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C / kernel interrupt
+    _redirect_output(files)
+    faulthandler.enable(file=sys.stderr)  # a fatal signal (gloo's abort) still prints a Python stack
+    stack_file = open(files.stack, "w")
+    if hasattr(faulthandler, "register"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    _rankstate.attach(files.status)
+
+    fn, args, kwargs = payload if isinstance(payload, tuple) else _cloudpickle_loads(payload)
+    exitcode = 0
+    try:
+        torch.set_num_threads(threads)
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            iface = _loopback_interface()
+            if iface:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method="file://" + os.path.join(workdir, "store"),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_GRACE),
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        _write_result(files, ("ok", result))
+        # Nobody tears down its sockets while a neighbour may still be reading from them.
+        dist.barrier()
+    except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
+        exitcode = 1
+        record = ("error", type(exc).__name__, str(exc), traceback.format_exc(), time.time())
+        _write_result(files, record)
+    finally:
+        _rankstate.detach()
+        if dist.is_initialized() and exitcode == 0:
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(exitcode)
+
+
+def _write_result(files: _RankFiles, record) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    try:
+        _CpuPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(record)
+    except Exception as exc:
+        if record[0] != "ok":
+            raise
+        raise TypeError(
+            f"rank {files.rank} returned a value that cannot be sent back to the caller "
+            f"({type(exc).__name__}: {exc}). Return plain numbers, lists, dicts or tensors."
+        ) from exc
+    _write_atomically(files.result, buffer.getvalue())
+
+
+def _cloudpickle_loads(blob: bytes):
+    import cloudpickle
+
+    return cloudpickle.loads(blob)
+
+
+def _cloudpickle_dumps(obj) -> bytes:
+    try:
+        import cloudpickle
+    except ImportError as exc:  # pragma: no cover - cloudpickle is a dependency
+        raise ImportError("launch needs cloudpickle to start ranks with 'spawn': pip install cloudpickle") from exc
+    return cloudpickle.dumps(obj)
+
+
+# --------------------------------------------------------------------------------------------------
+# The launcher
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_launch_arguments(fn, world_size, args, kwargs, timeout):
+    if not callable(fn):
+        raise TypeError(f"launch needs a function fn(rank, world_size, ...), got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of extra positional arguments, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 4,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    prefix_output: bool = True,
+) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` local ranks and return their results.
+
+    Each rank is a separate process with the default `torch.distributed` process group already
+    initialised, so inside `fn` you may call `torch.distributed` or `course_lib` directly.
+
+    Args:
+        fn: the SPMD function. A function defined in a notebook cell, a closure or a lambda works.
+        world_size: number of ranks (processes) to start.
+        args, kwargs: extra arguments passed to `fn` on every rank.
+        backend: "gloo" (CPU), "nccl" (one GPU per rank) or "auto": NCCL when there are at least
+            `world_size` GPUs, else gloo.
+        timeout: seconds before the launch is declared stuck; then `LaunchTimeoutError` lists what
+            every rank was blocked in.
+        prefix_output: start every line a rank printed with "[rank r] ".
+
+    Returns:
+        A list of the ranks' return values, index = rank. CUDA tensors come back as CPU tensors.
+
+    Raises:
+        RankFailedError: a rank raised an exception or was killed by a signal.
+        LaunchTimeoutError: the ranks did not all finish within `timeout` seconds.
+
+    Example::
+
+        >>> def hello(rank, world_size):
+        ...     print(f"hello from rank {rank} of {world_size}")
+        ...     return rank * 10
+        >>> launch(hello, world_size=2)
+        [rank 0] hello from rank 0 of 2
+        [rank 1] hello from rank 1 of 2
+        [0, 10]
+    """
+    kwargs = {} if kwargs is None else kwargs
+    _check_launch_arguments(fn, world_size, args, kwargs, timeout)
+    if under_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            raise ValueError(
+                f"launch(world_size={world_size}) was called inside torchrun, which started WORLD_SIZE={env_world} "
+                f"ranks. Under torchrun the ranks already exist: call run_torchrun(fn) (or pass world_size={env_world})."
+            )
+        return run_torchrun(fn, args=args, kwargs=kwargs, backend=backend, timeout=timeout)
+
+    backend = resolve_backend(backend, world_size)
+    method = _start_method()
+    payload = (fn, tuple(args), kwargs) if method == "fork" else _cloudpickle_dumps((fn, tuple(args), kwargs))
+    threads = max(1, (os.cpu_count() or 1) // world_size)  # 4 ranks on 2 cores: no oversubscription
+    workdir = tempfile.mkdtemp(prefix="course_lib-launch-")
+    processes = []
+    try:
+        for rank in range(world_size):
+            _rankstate.create_slot_file(_RankFiles(workdir, rank).status)
+        context = __import__("multiprocessing").get_context(method)
+        with warnings.catch_warnings():
+            # Python 3.12+ warns when forking a multi-threaded process (a Jupyter kernel is one).
+            # The child only runs this module's code, which takes none of the parent's locks.
+            warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning)
+            for rank in range(world_size):
+                process = context.Process(
+                    target=_rank_main,
+                    args=(rank, world_size, workdir, payload, backend, float(timeout), threads),
+                    name=f"course_lib-rank-{rank}",
+                )
+                process.start()
+                processes.append(process)
+        outcome = _supervise(processes, workdir, timeout)
+        _relay_output(workdir, world_size, prefix_output)
+        if isinstance(outcome, LaunchError):
+            raise outcome
+        return outcome
+    finally:
+        _stop_all(processes)
+        for process in processes:
+            process.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(processes, workdir, timeout):
+    """Wait for every rank; return the results, or the LaunchError to raise."""
+    deadline = time.monotonic() + timeout
+    running = {p.sentinel: rank for rank, p in enumerate(processes)}
+    while running:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return _timeout_error(processes, workdir, timeout)
+        for sentinel in mp_connection.wait(list(running), timeout=min(remaining, 0.5)):
+            rank = running.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode != 0:
+                return _failure_error(processes, workdir, first_seen=rank)
+    results = []
+    for rank in range(len(processes)):
+        record = _read_result(workdir, rank)
+        if record is None or record[0] != "ok":  # exit code 0 without a result cannot happen
+            return _failure_error(processes, workdir, first_seen=rank)
+        results.append(record[1])
+    return results
+
+
+def _read_result(workdir, rank):
+    path = _RankFiles(workdir, rank).result
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _stderr_tail(workdir, rank, lines=_STDERR_TAIL_LINES) -> str:
+    try:
+        with open(_RankFiles(workdir, rank).stderr, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _failure_error(processes, workdir, first_seen):
+    """Stop everyone, then describe the rank that failed first (by its own clock)."""
+    time.sleep(0.05)  # let a rank that failed at the same moment finish writing its report
+    _stop_all(processes)
+    failures = []  # (when, rank, record)
+    for rank, process in enumerate(processes):
+        record = _read_result(workdir, rank)
+        if record is not None and record[0] == "error":
+            failures.append((record[4], rank, record))
+        elif rank == first_seen or (process.exitcode not in (0, None, -signal.SIGKILL)):
+            failures.append((float("inf") if rank != first_seen else 0.0, rank, None))
+    failures.sort(key=lambda item: (item[0], item[1]))
+    _, rank, record = failures[0]
+    world = len(processes)
+    others = [r for _, r, _ in failures[1:]]
+    also = f"\nAlso failed afterwards (probably as a consequence): rank(s) {others}." if others else ""
+    if record is not None:
+        _, exc_type, message, rank_tb, _ = record
+        text = (
+            f"rank {rank} of {world} raised {exc_type}: {message}\n\n"
+            f"--- traceback of rank {rank} ---\n{rank_tb.rstrip()}\n---{also}\nThe other ranks were stopped."
+        )
+        return RankFailedError(text, rank=rank, exc_type=exc_type, rank_traceback=rank_tb,
+                               exitcode=processes[rank].exitcode, stderr_tail=_stderr_tail(workdir, rank))
+    exitcode = processes[rank].exitcode
+    tail = _stderr_tail(workdir, rank)
+    if exitcode is not None and exitcode < 0:
+        how = f"was killed by signal {signal.Signals(-exitcode).name}"
+        if -exitcode == signal.SIGABRT:
+            how += (" (an abort: gloo does this when a message is longer than the receive buffer, "
+                    "i.e. the ranks disagree about a tensor's size)")
+    else:
+        how = f"exited with code {exitcode} without raising a Python exception"
+    text = (f"rank {rank} of {world} {how}.\n\n--- last lines rank {rank} wrote to stderr ---\n"
+            f"{tail.rstrip() or '(nothing)'}\n---{also}\nThe other ranks were stopped.")
+    return RankFailedError(text, rank=rank, exitcode=exitcode, stderr_tail=tail)
+
+
+def _timeout_error(processes, workdir, timeout):
+    """Read what every rank is blocked in, stop them, and explain."""
+    blocked = {}
+    for rank, process in enumerate(processes):
+        if process.exitcode is not None:
+            blocked[rank] = "finished"
+            continue
+        what = _rankstate.read_slot_file(_RankFiles(workdir, rank).status)
+        blocked[rank] = f"blocked in {what}" if what else "running Python code, not inside a course_lib send/recv"
+        if hasattr(signal, "SIGUSR1"):
+            try:
+                os.kill(process.pid, signal.SIGUSR1)  # faulthandler dumps its Python stack
+            except OSError:
+                pass
+    time.sleep(0.2)
+    stacks = {rank: _user_frames(_RankFiles(workdir, rank).stack) for rank in blocked if blocked[rank] != "finished"}
+    _stop_all(processes)
+    lines = [f"the ranks did not finish within {timeout:g} s. What each rank was doing:"]
+    for rank, what in blocked.items():
+        where = f"   (at {stacks[rank]})" if stacks.get(rank) else ""
+        lines.append(f"  rank {rank}: {what}{where}")
+    waiting = [w for w in blocked.values() if w.startswith(("blocked in recv", "blocked in irecv.wait"))]
+    if waiting and len(waiting) == sum(1 for w in blocked.values() if w != "finished"):
+        lines.append("Every running rank is waiting to receive, so nobody sends: a deadlock. "
+                     "Make one side send first, or post the send with isend before the recv.")
+    else:
+        lines.append("A rank that waits for a message no rank sends will wait forever: check that every "
+                     "recv has a matching send (same peer, same size), or raise `timeout` if the work is just slow.")
+    return LaunchTimeoutError("\n".join(lines), blocked=blocked)
+
+
+def _user_frames(stack_path) -> str:
+    """The innermost frame of the rank's code that is not inside course_lib or torch."""
+    try:
+        with open(stack_path, encoding="utf-8", errors="replace") as f:
+            frames = [line.strip() for line in f if line.strip().startswith("File ")]
+    except OSError:
+        return ""
+    # faulthandler lists the innermost frame first.
+    for frame in frames:
+        if "site-packages/torch" in frame or os.sep + "course_lib" + os.sep in frame:
+            continue
+        return frame.replace('File "', "").replace('", line ', ":")
+    return ""
+
+
+def _stop_all(processes) -> None:
+    for process in processes:
+        if process.exitcode is None:
+            try:
+                process.kill()
+            except (OSError, ValueError):
+                pass
+    for process in processes:
+        process.join(timeout=5)
+
+
+def _relay_output(workdir, world_size, prefix_output) -> None:
+    """Print every rank's captured stdout (then stderr), grouped and ordered by rank."""
+    for stream_name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        chunks = []
+        for rank in range(world_size):
+            path = _RankFiles(workdir, rank).path(stream_name)
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if not text:
+                continue
+            if prefix_output:
+                text = "".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True))
+            chunks.append(text if text.endswith("\n") else text + "\n")
+        if chunks:
+            stream.write("".join(chunks))
+            stream.flush()
+
+
+# --------------------------------------------------------------------------------------------------
+# torchrun
+# --------------------------------------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, ...)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEOUT * 3):
+    """Run this process's rank of ``fn(rank, world_size, *args, **kwargs)`` under torchrun.
+
+    torchrun has already started one process per rank and set RANK, WORLD_SIZE, LOCAL_RANK and the
+    rendezvous address; this initialises the process group from them, calls `fn`, and returns the
+    list of every rank's result (gathered to every rank), like `launch`. Printing is not captured:
+    use torchrun's own ``--tee`` / ``--local-ranks-filter`` options.
+
+    Example (examples/ring_allreduce_torchrun.py)::
+
+        torchrun --nproc-per-node 4 examples/ring_allreduce_torchrun.py
+    """
+    kwargs = {} if kwargs is None else kwargs
+    if not under_torchrun():
+        raise RuntimeError("run_torchrun must run inside a process started by torchrun; use launch() otherwise.")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = resolve_backend(backend, world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result = fn(rank, world_size, *args, **kwargs)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, result)
+        return everyone
+    finally:
+        if owns_group:
+            dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Reduce operations: how two ranks' values become one.
+
+    SUM      a + b            AVG      (a_0 + ... + a_{G-1}) / G, floating dtypes only
+    PRODUCT  a * b            MAX/MIN  elementwise max(a, b) / min(a, b)
+
+`torch.distributed.ReduceOp.SUM` and friends are accepted, and so are the strings "sum", "avg", ...
+AVG is a SUM whose result is divided by the world size once at the end, which is why it needs a
+dtype that can hold a fraction: torch refuses AVG on integer tensors, and so do we.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SUM", "AVG", "PRODUCT", "MAX", "MIN", "OPS", "normalize", "check_dtype", "combine_", "finish_"]
+
+SUM, AVG, PRODUCT, MAX, MIN = "SUM", "AVG", "PRODUCT", "MAX", "MIN"
+OPS = (SUM, AVG, PRODUCT, MAX, MIN)
+
+_FROM_TORCH = {dist.ReduceOp.SUM: SUM, dist.ReduceOp.AVG: AVG, dist.ReduceOp.PRODUCT: PRODUCT,
+               dist.ReduceOp.MAX: MAX, dist.ReduceOp.MIN: MIN}
+
+
+def normalize(op) -> str:
+    """The name ('SUM', 'AVG', ...) of a reduce op given as a torch ReduceOp or a string."""
+    if isinstance(op, str) and op.upper() in OPS:
+        return op.upper()
+    try:
+        name = _FROM_TORCH.get(op)
+    except TypeError:  # unhashable
+        name = None
+    if name is None:
+        raise ValueError(f"unsupported reduce op {op!r}: use one of torch.distributed.ReduceOp."
+                         f"{', ReduceOp.'.join(OPS)} (or the strings {', '.join(o.lower() for o in OPS)}).")
+    return name
+
+
+def check_dtype(op: str, dtype: torch.dtype) -> str | None:
+    """Why `op` cannot reduce tensors of `dtype`, or None when it can."""
+    if op == AVG and not (dtype.is_floating_point or dtype.is_complex):
+        return (f"AVG cannot average a {dtype} tensor: the mean of integers is a fraction. Convert it to a "
+                "floating dtype first (tensor.float()), or reduce with SUM and divide yourself.")
+    if op in (MAX, MIN) and dtype.is_complex:
+        return f"{op} is not defined for complex numbers ({dtype}): they have no order."
+    if dtype == torch.bool and op in (SUM, AVG):
+        return f"{op} of a bool tensor is ambiguous: use MAX (logical or), MIN (logical and), or convert to int."
+    return None
+
+
+def combine_(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> torch.Tensor:
+    """accumulator <- accumulator (op) incoming, in place. AVG adds here and divides in `finish_`."""
+    if op in (SUM, AVG):
+        if accumulator.dtype == torch.bool:
+            return accumulator.logical_or_(incoming)
+        return accumulator.add_(incoming)
+    if op == PRODUCT:
+        if accumulator.dtype == torch.bool:
+            return accumulator.logical_and_(incoming)
+        return accumulator.mul_(incoming)
+    if op == MAX:
+        return torch.maximum(accumulator, incoming, out=accumulator)
+    if op == MIN:
+        return torch.minimum(accumulator, incoming, out=accumulator)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def finish_(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    """Last touch of a fully reduced value: AVG divides the sum by the number of ranks."""
+    if op == AVG:
+        tensor.div_(world_size)
+    return tensor
