@@ -14,6 +14,7 @@ from course_lib.launch import (
     LaunchError,
     LaunchTimeoutError,
     RankFailedError,
+    device,
     launch,
     resolve_backend,
     run_torchrun,
@@ -23,7 +24,7 @@ from course_lib.launch import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "launch", "run_torchrun", "under_torchrun", "resolve_backend",
+    "launch", "device", "run_torchrun", "under_torchrun", "resolve_backend",
     "LaunchError", "RankFailedError", "LaunchTimeoutError", "MismatchError", "unchecked",
     "p2p", "traffic", "collectives", "allreduce", "ops",
 ]

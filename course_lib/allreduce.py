@@ -214,8 +214,9 @@ def ring(tensor: torch.Tensor, op=ops.SUM) -> None:
         >>> course_lib.launch(fn, world_size=2)
         [tensor([3., 6., 9.]), tensor([3., 6., 9.])]
     """
-    ring_scatter_reduce(tensor, op)
-    with _checks.unchecked():  # already agreed on for this call
+    op = _prepare("allreduce.ring", tensor, op)
+    with _checks.unchecked():  # agreed on once, under this function's name
+        ring_scatter_reduce(tensor, op)
         ring_all_gather(tensor)
 
 

@@ -48,6 +48,7 @@ _STDERR_TAIL_LINES = 20
 
 __all__ = [
     "launch",
+    "device",
     "run_torchrun",
     "under_torchrun",
     "resolve_backend",
@@ -266,7 +267,10 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
         exitcode = 1
-        record = ("error", type(exc).__name__, str(exc), traceback.format_exc(), time.time())
+        # Start the traceback at the learner's function: the launcher's own frame is noise.
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+        record = ("error", type(exc).__name__, str(exc), text, time.time())
         _write_result(files, record)
     finally:
         _rankstate.detach()
@@ -442,11 +446,15 @@ def _read_result(workdir, rank):
 
 
 def _stderr_tail(workdir, rank, lines=_STDERR_TAIL_LINES) -> str:
+    """The rank's last stderr lines, without the frames a forked child inherits from the launcher."""
     try:
         with open(_RankFiles(workdir, rank).stderr, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+            text = f.readlines()
     except OSError:
         return ""
+    noise = ("/multiprocessing/", f"course_lib{os.sep}launch.py", "Extension modules:")
+    kept = [line for line in text if not any(marker in line for marker in noise)]
+    return "".join(kept[-lines:])
 
 
 def _failure_error(processes, workdir, first_seen):
@@ -463,8 +471,13 @@ def _failure_error(processes, workdir, first_seen):
     failures.sort(key=lambda item: (item[0], item[1]))
     _, rank, record = failures[0]
     world = len(processes)
-    others = [r for _, r, _ in failures[1:]]
-    also = f"\nAlso failed afterwards (probably as a consequence): rank(s) {others}." if others else ""
+    same = [r for _, r, rec in failures[1:] if rec is not None and record is not None and rec[1:3] == record[1:3]]
+    later = [r for _, r, _ in failures[1:] if r not in same]
+    also = ""
+    if same:
+        also += f"\nRank(s) {sorted(same)} raised the same error."
+    if later:
+        also += f"\nRank(s) {sorted(later)} failed afterwards, probably as a consequence."
     if record is not None:
         _, exc_type, message, rank_tb, _ = record
         text = (
@@ -563,6 +576,18 @@ def _relay_output(workdir, world_size, prefix_output) -> None:
         if chunks:
             stream.write("".join(chunks))
             stream.flush()
+
+
+def device() -> torch.device:
+    """The device this rank's tensors belong on: its GPU under NCCL, else the CPU.
+
+    Use it inside `fn` so the same code runs with gloo on a laptop and with NCCL on GPUs::
+
+        x = torch.randn(1000, device=course_lib.device())
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------------------------
