@@ -337,6 +337,7 @@ def launch(
     backend: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     prefix_output: bool = True,
+    start_method: str | None = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` local ranks and return their results.
 
@@ -352,6 +353,8 @@ def launch(
         timeout: seconds before the launch is declared stuck; then `LaunchTimeoutError` lists what
             every rank was blocked in.
         prefix_output: start every line a rank printed with "[rank r] ".
+        start_method: "fork" or "spawn"; None picks fork on Linux (fast, carries notebook functions)
+            unless CUDA is already initialised here, else spawn (the function travels by cloudpickle).
 
     Returns:
         A list of the ranks' return values, index = rank. CUDA tensors come back as CPU tensors.
@@ -382,7 +385,9 @@ def launch(
         return run_torchrun(fn, args=args, kwargs=kwargs, backend=backend, timeout=timeout)
 
     backend = resolve_backend(backend, world_size)
-    method = _start_method()
+    if start_method not in (None, "fork", "spawn"):
+        raise ValueError(f"start_method must be None, 'fork' or 'spawn', not {start_method!r}")
+    method = start_method or _start_method()
     payload = (fn, tuple(args), kwargs) if method == "fork" else _cloudpickle_dumps((fn, tuple(args), kwargs))
     threads = max(1, (os.cpu_count() or 1) // world_size)  # 4 ranks on 2 cores: no oversubscription
     workdir = tempfile.mkdtemp(prefix="course_lib-launch-")
