@@ -1,0 +1,361 @@
+"""The alpha-beta (latency-bandwidth) cost model of all-reduce, fitted to measured times.
+
+A message of n bytes costs alpha + n * beta: alpha is the fixed price of a step (software,
+wake-up, wire latency), beta the time per byte (1 / bandwidth of the link). An algorithm that
+takes a(G) steps one after another, and whose busiest rank pushes b(G) * n bytes through its link,
+then takes about
+
+    time = a(G) * alpha  +  b(G) * n * beta  [ +  c(G) * n * gamma ]
+
+for a tensor of n bytes on each of G ranks. The optional gamma term is the reduction arithmetic
+(c(G) * n bytes added up on the busiest rank, gamma seconds per byte); `predict` accepts it, `fit`
+folds it into beta (see `fit` for why).
+
+    model              a(G)            b(G)             c(G)          source of the counts
+    naive              G-1             G-1              G-1           course_lib.allreduce.naive
+    parameter_server   2(G-1)          2(G-1)           G-1           the root receives, then sends, G-1 times
+    ring               2(G-1)          2(G-1)/G         (G-1)/G       course_lib.allreduce.ring
+    tree               2 log2 G        2 log2 G         log2 G        binary-tree reduce, then broadcast
+    halving_doubling   2 log2 G        2(G-1)/G         (G-1)/G       Rabenseifner; G a power of two
+
+(log2 G is rounded up.) The ring's b(G) tends to 2: its time hardly grows with G for large
+tensors, which is why NCCL uses it; its a(G) grows linearly, which is why small tensors and very
+many ranks want a tree or halving-doubling instead.
+
+`fit` finds alpha and beta from measured times by least squares; `predict` and
+`extrapolate` turn them, or a link's published figures (`Link`), into times for world sizes this
+machine cannot run. Those are a model's numbers, not measurements, and are labelled so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Model", "MODELS", "model_for", "predict", "Fit", "fit", "fit_results", "crossover_bytes",
+           "Link", "NVLINK4_H100", "INFINIBAND_NDR", "LINKS", "Prediction", "extrapolate"]
+
+
+def _log2_up(g):
+    return np.ceil(np.log2(np.maximum(g, 1)))
+
+
+@dataclass(frozen=True)
+class Model:
+    """The step count a(G) and per-byte multipliers b(G), c(G) of one algorithm (see the module table)."""
+
+    name: str
+    steps: object       # a(G): latency terms, messages one after another
+    traffic: object     # b(G): bytes through the busiest rank's link, per byte of the tensor
+    reduction: object   # c(G): bytes the busiest rank adds up, per byte of the tensor
+    formula: str
+
+    def terms(self, world_size, nbytes):
+        """The columns of the design matrix: a(G), b(G) n, c(G) n (arrays of the inputs' shape)."""
+        g = np.asarray(world_size, dtype=float)
+        n = np.asarray(nbytes, dtype=float)
+        return self.steps(g) * np.ones_like(n), self.traffic(g) * n, self.reduction(g) * n
+
+
+MODELS = {
+    "naive": Model("naive", lambda g: g - 1, lambda g: g - 1, lambda g: g - 1,
+                   "(G-1) alpha + (G-1) n beta"),
+    "parameter_server": Model("parameter_server", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1), lambda g: g - 1,
+                              "2(G-1) alpha + 2(G-1) n beta"),
+    "ring": Model("ring", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1) / g, lambda g: (g - 1) / g,
+                  "2(G-1) alpha + 2(G-1)/G n beta"),
+    "tree": Model("tree", lambda g: 2 * _log2_up(g), lambda g: 2 * _log2_up(g), lambda g: _log2_up(g),
+                  "2 log2(G) alpha + 2 log2(G) n beta"),
+    "halving_doubling": Model("halving_doubling", lambda g: 2 * _log2_up(g), lambda g: 2 * (g - 1) / g,
+                              lambda g: (g - 1) / g, "2 log2(G) alpha + 2(G-1)/G n beta"),
+}
+# Other names a result may carry: the master is the parameter server; gloo's built-in all_reduce
+# is itself a ring (gloo/allreduce.cc), so it is described by the ring's model.
+_ALIASES = {"master": "parameter_server", "builtin": "ring"}
+
+
+def model_for(name) -> Model:
+    """The Model called `name` (a Model is returned unchanged); 'master' and 'builtin' are aliases."""
+    if isinstance(name, Model):
+        return name
+    key = _ALIASES.get(name, name)
+    if key not in MODELS:
+        raise ValueError(f"no cost model called {name!r}; known: {sorted(MODELS) + sorted(_ALIASES)}")
+    return MODELS[key]
+
+
+def predict(model, world_size, nbytes, alpha: float, beta: float, gamma: float = 0.0):
+    """Modelled seconds for `nbytes` per rank on `world_size` ranks (numbers or numpy arrays)."""
+    steps, traffic, reduction = model_for(model).terms(world_size, nbytes)
+    return steps * alpha + traffic * beta + reduction * gamma
+
+
+# --------------------------------------------------------------------------------------------------
+# Fitting alpha and beta to measurements
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Fit:
+    """Least-squares alpha and beta of one model, and how well they explain the points.
+
+    Attributes:
+        model: the model's name.
+        alpha: seconds per step.
+        beta: seconds per byte on the busiest link (1 / bandwidth).
+        world_sizes, nbytes, seconds: the measured points the fit used.
+        predicted: the model's seconds at those points.
+    """
+
+    model: str
+    alpha: float
+    beta: float
+    world_sizes: np.ndarray
+    nbytes: np.ndarray
+    seconds: np.ndarray
+    predicted: np.ndarray
+
+    @property
+    def residuals(self) -> np.ndarray:
+        """measured - predicted, seconds."""
+        return self.seconds - self.predicted
+
+    @property
+    def relative_errors(self) -> np.ndarray:
+        """(measured - predicted) / measured for every point."""
+        return self.residuals / self.seconds
+
+    @property
+    def max_relative_error(self) -> float:
+        return float(np.max(np.abs(self.relative_errors)))
+
+    @property
+    def median_relative_error(self) -> float:
+        return float(np.median(np.abs(self.relative_errors)))
+
+    @property
+    def r2(self) -> float:
+        """Coefficient of determination of the times (1 = every point on the model)."""
+        total = np.sum((self.seconds - self.seconds.mean()) ** 2)
+        return float(1 - np.sum(self.residuals ** 2) / total) if total > 0 else float("nan")
+
+    @property
+    def r2_log(self) -> float:
+        """R² of log(time): fair to small sizes, whose seconds are tiny next to the large ones'."""
+        measured, modelled = np.log(self.seconds), np.log(np.maximum(self.predicted, 1e-300))
+        total = np.sum((measured - measured.mean()) ** 2)
+        return float(1 - np.sum((measured - modelled) ** 2) / total) if total > 0 else float("nan")
+
+    @property
+    def bandwidth(self) -> float:
+        """1 / beta in bytes per second (inf when beta is 0)."""
+        return 1 / self.beta if self.beta > 0 else float("inf")
+
+    def predict(self, world_size, nbytes):
+        """This fit's modelled seconds at other points."""
+        return predict(self.model, world_size, nbytes, self.alpha, self.beta)
+
+    def __str__(self) -> str:
+        text = (f"{self.model}: alpha = {self.alpha * 1e6:.1f} us, beta = {self.beta * 1e9:.3g} ns/byte "
+                f"(1/beta = {self.bandwidth / 1e9:.3g} GB/s)")
+        return (text + f"; R² = {self.r2:.3f}, R² of log time = {self.r2_log:.3f}, median |relative error| "
+                f"{100 * self.median_relative_error:.0f}%, worst {100 * self.max_relative_error:.0f}% "
+                f"over {len(self.seconds)} points")
+
+
+def _nonnegative_lstsq(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a negative latency or bandwidth cost means nothing.
+
+    With two or three columns the simplest exact method is enough: solve on every subset of
+    columns, keep the best solution whose coefficients are all non-negative.
+    """
+    n_columns = matrix.shape[1]
+    best, best_error = np.zeros(n_columns), np.sum(target ** 2)
+    for mask in range(1, 2 ** n_columns):
+        columns = [j for j in range(n_columns) if mask >> j & 1]
+        solution, *_ = np.linalg.lstsq(matrix[:, columns], target, rcond=None)
+        if np.all(solution >= 0):
+            error = np.sum((matrix[:, columns] @ solution - target) ** 2)
+            if error < best_error - 1e-300:
+                best, best_error = np.zeros(n_columns), error
+                best[columns] = solution
+    return best
+
+
+def fit(model, world_sizes, nbytes, seconds, weighting: str = "relative") -> Fit:
+    """Fit alpha and beta of `model` to measured times by least squares.
+
+    The model is linear in its parameters, time = a(G) alpha + b(G) n beta, so with one row per
+    measurement the design matrix is X = [a(G), b(G) n] and `numpy.linalg.lstsq` solves X p = t.
+
+    The reduction's own cost (gamma) is not fitted: in every model here the bytes a rank adds up are
+    proportional to the bytes it receives (c(G) is a fixed fraction of b(G)), so no measurement of one
+    algorithm can tell the two apart. The fitted beta is the cost per byte of receiving *and* adding.
+
+    Args:
+        model: a model name ('naive', 'parameter_server', 'ring', 'tree', 'halving_doubling',
+            'master', 'builtin') or a `Model`.
+        world_sizes, nbytes, seconds: one entry per measurement (G, bytes per rank, time).
+        weighting: 'relative' divides every row by its measured time, so a 10 us point counts as much
+            as a 100 ms one (the default: sizes span many decades); 'absolute' is ordinary least squares.
+
+    Returns:
+        A `Fit` with alpha, beta (both kept >= 0), the residuals, R² and relative errors.
+
+    Example::
+
+        >>> g, n = [4, 4, 4], [1e3, 1e6, 1e7]
+        >>> t = predict("ring", g, n, alpha=1e-4, beta=1e-9)
+        >>> f = fit("ring", g, n, t)
+        >>> round(f.alpha * 1e6), round(f.beta * 1e9, 3)
+        (100, 1.0)
+    """
+    m = model_for(model)
+    g = np.asarray(world_sizes, dtype=float).ravel()
+    n = np.asarray(nbytes, dtype=float).ravel()
+    t = np.asarray(seconds, dtype=float).ravel()
+    if not (len(g) == len(n) == len(t)):
+        raise ValueError(f"world_sizes, nbytes and seconds must have one entry per measurement: "
+                         f"got {len(g)}, {len(n)}, {len(t)}")
+    if np.any(t <= 0):
+        raise ValueError("measured times must be positive")
+    steps, traffic, _ = m.terms(g, n)
+    matrix = np.column_stack([steps, traffic])
+    scale = np.abs(matrix).max(axis=0)  # columns of ~1 and ~1e7 bytes: scale them for a stable solve
+    scale[scale == 0] = 1
+    if len(t) < 2 or np.linalg.matrix_rank(matrix / scale) < 2:
+        raise ValueError(f"alpha and beta of the {m.name} model cannot both be fitted from these points: "
+                         "measure at least two different sizes")
+    if weighting not in ("relative", "absolute"):
+        raise ValueError("weighting must be 'relative' or 'absolute'")
+    weights = 1 / t if weighting == "relative" else np.ones_like(t)
+    solution = _nonnegative_lstsq(matrix * weights[:, None] / scale, t * weights) / scale
+    return Fit(m.name, float(solution[0]), float(solution[1]), g, n, t, matrix @ solution)
+
+
+def fit_results(results, variant: str, world_size=None, model=None, weighting: str = "relative",
+                statistic: str = "median") -> Fit:
+    """Fit one variant's records from `course_lib.bench.run` (its model unless `model` is given).
+
+    Args:
+        results: `bench.Results` (or any iterable of `bench.Result`).
+        variant: which variant's records to use.
+        world_size: only records with this many ranks (default: all of them).
+        statistic: 'median' or 'min' time of each record.
+    """
+    rows = [r for r in results if r.variant == variant and (world_size is None or r.world_size == world_size)]
+    if not rows:
+        raise ValueError(f"no records of variant {variant!r}" + (f" with world_size={world_size}" if world_size else ""))
+    times = [getattr(r, statistic) for r in rows]
+    return fit(model or variant, [r.world_size for r in rows], [r.nbytes for r in rows], times, weighting=weighting)
+
+
+def crossover_bytes(model_a, model_b, world_size, alpha: float, beta: float, gamma: float = 0.0) -> float:
+    """The tensor size (bytes per rank) at which two models take the same time on `world_size` ranks.
+
+    Both times are straight lines in n, so they meet at most once; below that size the model with
+    fewer steps wins, above it the one with fewer bytes. Returns inf when the lines never meet for
+    n > 0 (e.g. naive and ring on 2 ranks: the ring moves the same bytes in twice the steps).
+
+    Example::
+
+        >>> crossover_bytes("naive", "ring", 4, alpha=1e-4, beta=1e-9)   # G alpha / ((G-2) beta)
+        200000.0
+    """
+    a_steps, a_bytes, a_reduce = model_for(model_a).terms(world_size, 1.0)
+    b_steps, b_bytes, b_reduce = model_for(model_b).terms(world_size, 1.0)
+    # time_a - time_b = latency_gap + n * per_byte_gap
+    latency_gap = float((a_steps - b_steps) * alpha)
+    per_byte_gap = float((a_bytes - b_bytes) * beta + (a_reduce - b_reduce) * gamma)
+    if per_byte_gap == 0 or latency_gap * per_byte_gap >= 0:
+        return math.inf
+    return -latency_gap / per_byte_gap
+
+
+# --------------------------------------------------------------------------------------------------
+# Extrapolation with published link figures
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's connection to the others, described by a latency and a one-way bandwidth.
+
+    Attributes:
+        name: what the link is.
+        alpha: seconds per message step (an assumption, see `source`).
+        bandwidth: bytes per second in one direction.
+        source: where the figures come from.
+    """
+
+    name: str
+    alpha: float
+    bandwidth: float
+    source: str
+
+    @property
+    def beta(self) -> float:
+        return 1 / self.bandwidth
+
+
+# Bandwidths are vendor figures; the per-step latencies are round, order-of-magnitude assumptions
+# (no datasheet states "one step of a collective"), so treat the small-size end of any plot as rough.
+NVLINK4_H100 = Link(
+    name="NVLink 4 between H100 SXM GPUs, 450 GB/s per direction",
+    alpha=2e-6,
+    bandwidth=450e9,
+    source=("NVIDIA H100 SXM datasheet: 900 GB/s NVLink per GPU, counted in both directions together, "
+            "so 450 GB/s each way. alpha = 2 us per step is an assumption of this course (order of "
+            "magnitude of a GPU-to-GPU message step), not a datasheet figure."),
+)
+INFINIBAND_NDR = Link(
+    name="InfiniBand NDR, one 400 Gb/s port per GPU (50 GB/s per direction)",
+    alpha=5e-6,
+    bandwidth=50e9,
+    source=("NVIDIA ConnectX-7 user manual: single-port NDR 400 Gb/s = 50 GB/s per direction. "
+            "alpha = 5 us per step (network plus software) is an assumption of this course, not a datasheet figure."),
+)
+LINKS = {"nvlink4": NVLINK4_H100, "ib_ndr": INFINIBAND_NDR}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A modelled (not measured) time: `kind` is always 'model' so no plot can pass it off as data."""
+
+    model: str
+    world_size: int
+    nbytes: int
+    seconds: float
+    link: str
+    kind: str = "model"
+
+    @property
+    def algbw(self) -> float:
+        """GB/s, as nccl-tests would report it for this time."""
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def busbw(self) -> float:
+        return self.algbw * 2 * (self.world_size - 1) / self.world_size
+
+
+def extrapolate(models, world_sizes, sizes, link: Link | None = None, alpha: float | None = None,
+                beta: float | None = None, gamma: float = 0.0) -> list[Prediction]:
+    """Model times for every (model, world size, size): from a `Link`'s figures or from given alpha/beta.
+
+    Example::
+
+        >>> p = extrapolate(["ring"], [1024], [2**30], link=INFINIBAND_NDR)[0]
+        >>> round(p.seconds, 3)       # 2*1023 steps of 5 us + 2*1023/1024 GiB at 50 GB/s
+        0.053
+    """
+    if link is not None:
+        alpha, beta, label = link.alpha, link.beta, link.name
+    elif alpha is not None and beta is not None:
+        label = f"alpha={alpha:.3g} s, beta={beta:.3g} s/byte"
+    else:
+        raise ValueError("give a link, or both alpha and beta")
+    return [Prediction(model_for(m).name, int(g), int(n), float(predict(m, g, n, alpha, beta, gamma)), label)
+            for m in models for g in world_sizes for n in sizes]

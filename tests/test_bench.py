@@ -1,0 +1,121 @@
+"""course_lib.bench: the bandwidth formulas, the records, a tiny real run and the command line."""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from course_lib import allreduce, bench
+
+
+def test_algbw_and_busbw_follow_nccl_tests():
+    # algbw = S / t in GB/s (1e9 bytes per second); all-reduce busbw = algbw * 2(G-1)/G.
+    assert bench.algbw(2e9, 4.0) == 0.5
+    assert bench.algbw(2**30, 1.0) == pytest.approx(1.073741824)
+    for g in (2, 3, 4, 8, 1024):
+        assert bench.busbw(1.0, g) == pytest.approx(2 * (g - 1) / g)
+        assert bench.busbw(1.0, g, "all_gather") == bench.busbw(1.0, g, "reduce_scatter") == pytest.approx((g - 1) / g)
+        assert bench.busbw(1.0, g, "broadcast") == bench.busbw(1.0, g, "reduce") == 1.0
+    assert bench.busbw(3.0, 2) == 3.0  # on 2 ranks every byte crosses the link once each way
+    with pytest.raises(ValueError, match="no busbw factor"):
+        bench.busbw(1.0, 4, "gossip")
+
+
+def test_sizes_are_read_and_written_in_binary_units():
+    assert bench.parse_bytes("16MiB") == bench.parse_bytes("16M") == 16 * 2**20
+    assert bench.parse_bytes("1KB") == 1000 and bench.parse_bytes(" 4 KiB ") == 4096
+    assert bench.parse_bytes(4096) == bench.parse_bytes("4096") == 4096
+    for bad in ("16 parsecs", "-3", "0", "1.5"):
+        with pytest.raises(ValueError):
+            bench.parse_bytes(bad)
+    assert [bench.format_bytes(n) for n in (512, 4096, 3 * 2**19, 64 * 2**20, 2**30)] == \
+        ["512 B", "4 KiB", "1.5 MiB", "64 MiB", "1 GiB"]
+
+
+def test_result_statistics_and_bandwidths():
+    times = [0.5, 0.1, 0.3, 0.2, 0.4]
+    r = bench.Result("ring", 4, 2**20, 2**18, "float32", "gloo", times=times)
+    assert (r.median, r.min, r.max) == (0.3, 0.1, 0.5)
+    assert r.quartiles == pytest.approx(tuple(np.percentile(times, [25, 75])))
+    assert r.algbw == pytest.approx(2**20 / 0.3 / 1e9)
+    assert r.busbw == pytest.approx(r.algbw * 1.5)
+    record = r.to_dict()
+    assert record["busbw_GBps"] == r.busbw and record["times"] == times
+    assert bench.Result.from_dict(json.loads(json.dumps(record))) == r
+
+
+def _check_records(results, sizes, world_size, variants, reps):
+    assert [(r.world_size, r.nbytes, r.variant) for r in results] == \
+        [(world_size, n, v) for n in sizes for v in variants]
+    for r in results:
+        assert r.correct, r
+        assert len(r.times) == reps and all(0 < t < 10 for t in r.times)
+        assert r.numel * 4 == r.nbytes and r.dtype == "float32" and r.backend == "gloo"
+        assert r.min <= r.median <= r.max
+        assert r.busbw == pytest.approx(r.nbytes / r.median / 1e9 * 2 * (world_size - 1) / world_size)
+
+
+def test_a_tiny_real_run_returns_sane_records():
+    sizes = [1024, 256 * 1024 + 12]  # the second is not divisible by the world size in elements
+    results = bench.run(sizes, world_sizes=[2], reps=2, warmup=1, backend="gloo")
+    _check_records(results, sizes, 2, bench.VARIANTS, reps=2)
+    # Moving 256 KiB takes longer than moving 1 KiB, for the median of every variant. A 60x ratio
+    # of sizes leaves room for scheduler noise on a shared machine.
+    for variant in bench.VARIANTS:
+        assert results.get(variant, 2, 1024).min < results.get(variant, 2, sizes[1]).max
+    table = results.table()
+    assert table.count("\n") == 1 + len(results) and "busbw GB/s" in table
+
+
+def test_a_wrong_variant_is_reported(monkeypatch):
+    # A "variant" that does nothing must be caught by the comparison with the built-in all_reduce.
+    monkeypatch.setitem(allreduce.VARIANTS, "lazy", lambda tensor, op="SUM": None)
+    results = bench.run([4096], world_sizes=[3], variants=["lazy", "ring"], reps=1, warmup=0, backend="gloo")
+    assert [r.correct for r in results] == [False, True]
+
+
+def test_the_time_of_a_repetition_is_the_slowest_ranks(monkeypatch):
+    # Rank r sleeps 0.1 r seconds: every kept time must be at least rank 2's 0.2 s, not rank 0's 0.
+    import torch.distributed as dist
+
+    def uneven(tensor, op="SUM"):
+        time.sleep(0.1 * dist.get_rank())
+        dist.all_reduce(tensor)
+
+    monkeypatch.setitem(allreduce.VARIANTS, "uneven", uneven)
+    results = bench.run([64], world_sizes=[3], variants=["uneven"], reps=2, warmup=0, backend="gloo")
+    assert all(t >= 0.2 for t in results[0].times), results[0].times
+
+
+def test_bad_arguments_fail_before_any_rank_starts():
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        bench.run([1024], world_sizes=[1])
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.run([1024], world_sizes=[2], variants=["ring", "telepathy"])
+    with pytest.raises(ValueError, match="reps"):
+        bench.run([1024], world_sizes=[2], reps=0)
+
+
+def test_cli_writes_valid_json_and_a_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "course_lib.bench", "--sizes", "1KiB,64KiB", "--world-sizes", "2",
+         "--variants", "ring,builtin", "--reps", "2", "--backend", "gloo", "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["meta"]["torch"] and document["units"]["busbw_GBps"] == "1e9 bytes/s"
+    records = document["results"]
+    assert [(r["nbytes"], r["variant"]) for r in records] == [(1024, "ring"), (1024, "builtin"),
+                                                                (65536, "ring"), (65536, "builtin")]
+    for r in records:
+        assert r["median_s"] == statistics.median(r["times"]) and r["correct"] is True
+        assert r["busbw_GBps"] == pytest.approx(r["nbytes"] / r["median_s"] / 1e9)  # G=2: factor 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[2/2," in done.stderr  # progress lines
+    assert "ring" in done.stdout and "busbw" in done.stdout
+    assert len(bench.Results.from_json(out)) == 4
