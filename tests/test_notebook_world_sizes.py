@@ -1,0 +1,44 @@
+"""A learner who changes WORLD_SIZE at the top of a notebook still gets a correct run.
+
+nbval (in the main test command) checks every notebook as stored, with WORLD_SIZE = 4. Here each
+notebook is executed again with its `WORLD_SIZE = ...` line rewritten to 2, 3, 5 and 8. The notebooks
+assert their own numbers (computed from WORLD_SIZE), so a lesson that only works for 4 ranks fails here.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+WORLD_SIZE_LINE = re.compile(r"^WORLD_SIZE = \d+", re.MULTILINE)
+SIZES = (2, 3, 5, 8)
+
+
+def _notebooks():
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_every_notebook_has_exactly_one_world_size_line():
+    assert _notebooks(), "no notebooks found"
+    for path in _notebooks():
+        notebook = nbformat.read(path, as_version=4)
+        hits = [c for c in notebook.cells if c.cell_type == "code" and WORLD_SIZE_LINE.search(c.source)]
+        assert len(hits) == 1 and len(WORLD_SIZE_LINE.findall(hits[0].source)) == 1, path.name
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+@pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
+def test_notebook_runs_with_another_world_size(path, world_size):
+    notebook = nbformat.read(path, as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and WORLD_SIZE_LINE.search(cell.source):
+            cell.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", cell.source)
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()  # raises CellExecutionError, with the failing cell and traceback, on any error
