@@ -123,7 +123,9 @@ def record() -> Iterator[Recording]:
     try:
         yield rec
     finally:
-        _active.remove(rec)
+        # By identity: recordings compare equal by content (they are dataclasses), so
+        # `_active.remove(rec)` could drop an enclosing recording that saw the same events.
+        _active[:] = [other for other in _active if other is not rec]
 
 
 def is_recording() -> bool:

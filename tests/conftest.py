@@ -1,0 +1,147 @@
+"""Shared helpers for the course_lib tests.
+
+The tests compare course_lib's hand-written collectives with the built-in `torch.distributed` ones
+(gloo) inside `course_lib.launch`. To keep the suite fast, one launch runs many cases: the rank
+function loops over the cases, collects what went wrong as strings, and the test asserts the list is
+empty. Everything here is plain functions so the forked ranks can call them too.
+
+Inputs are random, different on every rank and at every position, and reproducible: any rank can
+rebuild any other rank's input from (seed, who), which is how the float tolerances are computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import course_lib
+
+DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16)
+OPS = ("SUM", "AVG", "PRODUCT", "MAX", "MIN")
+TORCH_OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
+             "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
+WORLD_SIZES = (1, 2, 3, 4, 5, 6)
+MILLION = 1_000_003  # "about a million", and not divisible by any world size 2..6
+
+
+def run(fn, world_size, *args, timeout=60.0, **kwargs):
+    """course_lib.launch on gloo (the oracle collectives are gloo's), with the test's own timeout."""
+    return course_lib.launch(fn, world_size, args=args, kwargs=kwargs, backend="gloo", timeout=timeout)
+
+
+def ops_for(dtype):
+    """The reduce ops torch allows for `dtype`: AVG only for floating dtypes."""
+    return tuple(op for op in OPS if op != "AVG" or dtype.is_floating_point)
+
+
+def lengths(world_size):
+    """0, 1, below the world size, not divisible by it (G+1 and 4G+1), and divisible by it (4G)."""
+    return sorted({0, 1, world_size - 1, world_size + 1, 4 * world_size, 4 * world_size + 1})
+
+
+def make_input(seed, who, shape, dtype, op=None, device=None):
+    """Random values for one rank (`who`) and case (`seed`): the same on every call, everywhere.
+
+    Floats are uniform in [-1, 1]; for PRODUCT their size is in [0.8, 1.25] with a random sign,
+    so a product over 6 ranks neither overflows nor underflows. Integers stay small enough that no
+    sum or product overflows int64.
+    """
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    n = math.prod(shape)
+    gen = torch.Generator().manual_seed(7919 * seed + 104729 * who + 17)
+    if dtype.is_floating_point:
+        if op == "PRODUCT":
+            size = torch.empty(n, dtype=torch.float64).uniform_(0.8, 1.25, generator=gen)
+            sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1
+            values = size * sign
+        else:
+            values = torch.empty(n, dtype=torch.float64).uniform_(-1.0, 1.0, generator=gen)
+    else:
+        low, high = {"PRODUCT": (-3, 4), "MAX": (-10**12, 10**12), "MIN": (-10**12, 10**12)}.get(op, (-1000, 1000))
+        values = torch.randint(low, high, (n,), generator=gen, dtype=torch.int64)
+    return values.to(dtype).reshape(shape).to(device or course_lib.device())
+
+
+def strided(tensor):
+    """The same values in a non-contiguous layout: every other element of a buffer twice as long."""
+    buffer = torch.zeros(*tensor.shape[:-1], 2 * tensor.shape[-1], dtype=tensor.dtype, device=tensor.device)
+    view = buffer[..., ::2]
+    view.copy_(tensor)
+    return view
+
+
+def tolerance(inputs, op, dtype):
+    """Elementwise bound on |course_lib result - torch result| when reducing `inputs`, or None for exact.
+
+    Integers, MAX and MIN must match exactly. A float SUM in any order is within (G-1) u sum|x| of
+    the exact sum (u = unit roundoff = eps / 2), a PRODUCT within (G-1) u |prod|; AVG adds one
+    rounding for the division. Two results can each be that far off, so the bound is about
+    (G+1) eps * scale: tight enough that a missing or doubled contribution shows up.
+    """
+    if not dtype.is_floating_point or op in ("MAX", "MIN", None):
+        return None
+    world_size = len(inputs)
+    stacked = torch.stack([x.detach().reshape(-1).cpu().double() for x in inputs])
+    if op == "PRODUCT":
+        scale = stacked.abs().prod(0)
+    else:
+        scale = stacked.abs().sum(0) / (world_size if op == "AVG" else 1)
+    info = torch.finfo(dtype)
+    return (world_size + 1) * info.eps * scale + info.tiny
+
+
+def mismatch(actual, expected, tol=None, what=""):
+    """A description of how `actual` differs from `expected` (None when it does not).
+
+    `tol`: None for bit-exact, else an elementwise bound (see `tolerance`).
+    """
+    if not isinstance(actual, torch.Tensor):
+        return f"{what}: got a {type(actual).__name__}, not a tensor"
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return (f"{what}: got shape {tuple(actual.shape)} {actual.dtype}, expected "
+                f"{tuple(expected.shape)} {expected.dtype}")
+    a, e = actual.detach().reshape(-1).cpu(), expected.detach().reshape(-1).cpu()
+    if tol is None:
+        bad = (a != e).nonzero().flatten()
+    else:
+        bad = ((a.double() - e.double()).abs() > tol.reshape(-1)).nonzero().flatten()
+    if bad.numel() == 0:
+        return None
+    i = int(bad[0])
+    bound = "exact" if tol is None else f"tolerance {float(tol.reshape(-1)[i]):.3g}"
+    return (f"{what}: {bad.numel()} of {a.numel()} elements differ ({bound}); first at flat index {i}: "
+            f"got {a[i].item()!r}, expected {e[i].item()!r}")
+
+
+def digest(tensor):
+    """A fingerprint of the tensor's exact bits (to check results are bit-identical across ranks)."""
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha1(raw + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode()).hexdigest()
+
+
+def assert_no_failures(results, label=""):
+    """`results` is launch's list of per-rank failure lists; show every rank's first few failures."""
+    lines = []
+    for rank, failures in enumerate(results):
+        for failure in failures[:8]:
+            lines.append(f"rank {rank}: {failure}")
+        if len(failures) > 8:
+            lines.append(f"rank {rank}: ... and {len(failures) - 8} more")
+    assert not lines, f"{label}\n" + "\n".join(lines)
+
+
+def assert_same_on_every_rank(digests_per_rank, label=""):
+    """Each rank returned {case: digest}; every case must have the same digest on every rank."""
+    first = digests_per_rank[0]
+    differ = [case for case in first if len({d.get(case) for d in digests_per_rank}) != 1]
+    assert all(set(d) == set(first) for d in digests_per_rank), f"{label}: ranks ran different cases"
+    assert not differ, f"{label}: results are not bit-identical across ranks for {len(differ)} case(s), e.g. {differ[:5]}"
+
+
+@pytest.fixture(params=WORLD_SIZES, ids=lambda g: f"G{g}")
+def world_size(request):
+    return request.param
