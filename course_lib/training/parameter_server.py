@@ -1,0 +1,289 @@
+"""A parameter server, synchronous or asynchronous, with the staleness of every update measured.
+
+Rank 0 is the *server*: it owns the parameters and the optimizer. Ranks 1 .. G-1 are *workers*:
+each repeatedly computes a gradient on its own shard with the parameters it last received, *pushes*
+the gradient to the server and waits for the reply, which carries the current parameters (the
+*pull*). Every message has exactly one partner:
+
+    server -> worker   tag 2   [ parameters ... | version | accepted ]   (the first one: the start)
+    worker -> server   tag 1   [ gradient ...   | version | loss x count | count | last ]
+    server -> worker   tag 2   the reply to that push, always exactly one
+
+The *version* counts the updates the server has applied. A worker stamps each gradient with the
+version of the parameters it computed it on, so the server can measure its *staleness*:
+
+    staleness = (server's version when the gradient arrives) - (version it was computed on)
+
+mode="sync": the server waits for one gradient from every worker, averages them (weighted by
+    samples), applies one update and replies to everyone. Every gradient was computed on the
+    current parameters: staleness is always 0, and the result is exactly data-parallel SGD.
+mode="async": the server applies each gradient the moment it arrives and replies only to its
+    sender. Nobody waits for the slowest worker, but a gradient may have been computed on
+    parameters several updates old. With ``max_staleness=s`` the server refuses gradients older
+    than s updates; the refused worker gets the current parameters and recomputes the same batch.
+    The server stops when every worker's last batch has been accepted, so every run terminates.
+
+`simulate_stale_sgd` shows the effect of staleness alone, deterministically, in one process.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import p2p
+from course_lib.training import sharding
+from course_lib.training.data_parallel import _check_model, _dataset_len, _local_loss, take_batch
+
+__all__ = ["ServerLog", "WorkerLog", "train_parameter_server", "simulate_stale_sgd"]
+
+PUSH_TAG, REPLY_TAG = 1, 2
+_PUSH_EXTRA, _REPLY_EXTRA = 4, 2  # numbers after the gradient / the parameters in each message
+
+
+@dataclass
+class ServerLog:
+    """What the server (rank 0) measured. One entry per applied update in the per-update lists.
+
+    Attributes:
+        mode, max_staleness: how it ran.
+        staleness: per update, how many updates old the gradient(s) were (0 in sync mode).
+        worker: per update, the worker whose gradient was applied (-1 in sync mode: all of them).
+        batch_loss: per update, the loss the worker(s) measured on their batch (with stale parameters).
+        loss: per update, the loss over the whole dataset right after the update (with evaluate=True).
+        time: per update, seconds since training started.
+        initial_loss: the whole-dataset loss before the first update.
+        rejected: per worker rank, how many gradients the server refused as too stale.
+        pushes: per worker rank, how many gradients it pushed in all (accepted + rejected).
+        elapsed: seconds from the start to the last update.
+        parameters: the final parameters (flat, CPU).
+    """
+
+    mode: str = "async"
+    max_staleness: int | None = None
+    staleness: list = field(default_factory=list)
+    worker: list = field(default_factory=list)
+    batch_loss: list = field(default_factory=list)
+    loss: list = field(default_factory=list)
+    time: list = field(default_factory=list)
+    initial_loss: float = float("nan")
+    rejected: dict = field(default_factory=dict)
+    pushes: dict = field(default_factory=dict)
+    elapsed: float = 0.0
+    parameters: torch.Tensor | None = None
+
+    @property
+    def updates(self) -> int:
+        return len(self.staleness)
+
+
+@dataclass
+class WorkerLog:
+    """What one worker saw: the versions its gradients were computed on, and its refusals."""
+
+    rank: int = 0
+    versions: list = field(default_factory=list)
+    accepted: int = 0
+    rejected: int = 0
+
+
+def _flat_grad(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+
+
+def _load_flat(model, flat: torch.Tensor) -> None:
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
+
+def _full_loss(model, dataset, loss_fn, device) -> float:
+    n = _dataset_len(dataset)
+    with torch.no_grad():
+        return _local_loss(model, loss_fn, *take_batch(dataset, list(range(n)), device)).item()
+
+
+def train_parameter_server(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, loss_fn: Callable, *,
+                           batch_size: int, epochs: int = 1, mode: str = "async", max_staleness: int | None = None,
+                           shuffle: bool = True, seed: int = 0, worker_delays: Sequence[float] | None = None,
+                           evaluate: bool = True):
+    """Train with rank 0 as parameter server and ranks 1..G-1 as workers; call it on every rank.
+
+    Args:
+        model, optimizer: built the same way on every rank; only the server's optimizer steps, and
+            the workers start from the server's parameters.
+        dataset, loss_fn, batch_size, epochs, shuffle, seed: as in `train_data_parallel`; the data is
+            dealt out to the G-1 workers with `DistributedSampler`'s rule (padded shards, so every
+            worker has the same number of batches).
+        mode: "sync" or "async" (see the module docstring).
+        max_staleness: async only: refuse gradients more than this many updates old (None: accept all).
+        worker_delays: seconds each rank sleeps before computing a gradient, index = rank (entry 0 is
+            ignored): stands in for slower and faster GPUs.
+        evaluate: the server measures the whole-dataset loss after every update (for loss curves).
+
+    Returns:
+        A `ServerLog` on rank 0, a `WorkerLog` on every worker.
+    """
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+    if max_staleness is not None and (mode == "sync" or not isinstance(max_staleness, int) or max_staleness < 0):
+        raise ValueError("max_staleness is a whole number >= 0, and only means something with mode='async'")
+    _check_model(model)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size < 2:
+        raise ValueError("a parameter server needs at least 2 ranks: rank 0 serves, the others compute")
+    workers = world_size - 1
+    n = _dataset_len(dataset)
+    per_epoch = sharding.steps_per_epoch(n, workers, batch_size)
+    if per_epoch * epochs < 1:
+        raise ValueError(f"{n} samples over {workers} workers leave a worker nothing to train on")
+    delays = list(worker_delays) if worker_delays is not None else [0.0] * world_size
+    if len(delays) != world_size:
+        raise ValueError(f"worker_delays needs one entry per rank ({world_size}), got {len(delays)}")
+    if rank == 0:
+        return _serve(model, optimizer, dataset, loss_fn, workers, per_epoch * epochs, mode, max_staleness, evaluate)
+    batches = [batch for epoch in range(epochs)
+               for batch in sharding.split_batches(
+                   sharding.shard_indices(n, rank - 1, workers, shuffle=shuffle, seed=seed, epoch=epoch), batch_size)]
+    return _work(model, dataset, loss_fn, batches, delays[rank])
+
+
+def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
+    """A worker: pull, then push a gradient and pull the answer, once per batch (again if refused)."""
+    device = next(model.parameters()).device
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    reply = torch.empty(flat.numel() + _REPLY_EXTRA, dtype=flat.dtype, device=device)
+    push = torch.empty(flat.numel() + _PUSH_EXTRA, dtype=flat.dtype, device=device)
+    log = WorkerLog(rank=dist.get_rank())
+    p2p.recv(reply, 0, tag=REPLY_TAG)                           # the starting parameters
+    _load_flat(model, reply[:-_REPLY_EXTRA])
+    version = int(reply[-2].item())
+    for i, batch in enumerate(batches):
+        accepted = False
+        while not accepted:
+            if delay:
+                time.sleep(delay)
+            model.zero_grad()
+            loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))
+            loss.backward()
+            push[:-_PUSH_EXTRA] = _flat_grad(model)
+            push[-_PUSH_EXTRA:] = torch.tensor([version, loss.item() * len(batch), len(batch), i == len(batches) - 1])
+            log.versions.append(version)
+            p2p.send(push, 0, tag=PUSH_TAG)
+            p2p.recv(reply, 0, tag=REPLY_TAG)
+            _load_flat(model, reply[:-_REPLY_EXTRA])
+            version, accepted = int(reply[-2].item()), bool(reply[-1].item())
+            log.accepted, log.rejected = log.accepted + accepted, log.rejected + (not accepted)
+    return log
+
+
+def _serve(model, optimizer, dataset, loss_fn, workers, steps, mode, max_staleness, evaluate) -> ServerLog:
+    """The server loop of either mode; returns its measurements."""
+    device = next(model.parameters()).device
+    params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    size = params.numel()
+    if steps * workers >= 2 ** 24 and params.dtype == torch.float32:
+        raise ValueError("too many updates to stamp versions exactly in float32 messages")
+    log = ServerLog(mode=mode, max_staleness=max_staleness, rejected={w: 0 for w in range(1, workers + 1)},
+                    pushes={w: 0 for w in range(1, workers + 1)})
+    version = 0
+
+    def reply_to(dst, accepted, wait=True):
+        message = torch.cat([torch.nn.utils.parameters_to_vector(model.parameters()).detach(),
+                             torch.tensor([version, accepted], dtype=params.dtype, device=device)])
+        request = p2p.isend(message, dst, tag=REPLY_TAG)
+        if wait:
+            request.wait()
+        return request, message
+
+    def apply(gradient, staleness, worker, batch_loss):
+        nonlocal version
+        optimizer.zero_grad()
+        offset = 0
+        for p in model.parameters():
+            p.grad = gradient[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        version += 1
+        log.staleness.append(staleness)
+        log.worker.append(worker)
+        log.batch_loss.append(batch_loss)
+        log.time.append(time.perf_counter() - start)
+        if evaluate:
+            log.loss.append(_full_loss(model, dataset, loss_fn, device))
+
+    if evaluate:
+        log.initial_loss = _full_loss(model, dataset, loss_fn, device)
+    start = time.perf_counter()
+    _wait_all([reply_to(w, True, wait=False) for w in range(1, workers + 1)])    # everyone's first pull
+    push = torch.empty(size + _PUSH_EXTRA, dtype=params.dtype, device=device)
+    if mode == "sync":
+        for _ in range(steps):
+            gradient, loss_sum, count = torch.zeros(size, dtype=params.dtype, device=device), 0.0, 0
+            for w in range(1, workers + 1):        # a fixed order: the sum is the same every run
+                p2p.recv(push, w, tag=PUSH_TAG)
+                pushed_version, w_loss, w_count, _ = push[-_PUSH_EXTRA:].tolist()
+                gradient += push[:size] * w_count
+                loss_sum, count = loss_sum + w_loss, count + int(w_count)
+                log.pushes[w] += 1
+                assert int(pushed_version) == version, "sync mode: a worker computed on old parameters"
+            apply(gradient / count, 0, -1, loss_sum / count)
+            _wait_all([reply_to(w, True, wait=False) for w in range(1, workers + 1)])
+    else:
+        finished = 0
+        while finished < workers:
+            sender = p2p.recv(push, None, tag=PUSH_TAG)              # whichever worker is first
+            pushed_version, w_loss, w_count, last = push[-_PUSH_EXTRA:].tolist()
+            staleness = version - int(pushed_version)
+            accepted = max_staleness is None or staleness <= max_staleness
+            log.pushes[sender] += 1
+            if accepted:
+                apply(push[:size].clone(), staleness, sender, w_loss / w_count)
+                finished += bool(last)
+            else:
+                log.rejected[sender] += 1
+            reply_to(sender, accepted)
+    log.elapsed = log.time[-1] if log.time else 0.0
+    log.parameters = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().clone()
+    return log
+
+
+def _wait_all(pending):
+    for request, _message in pending:   # the message is kept alive until its send completes
+        request.wait()
+
+
+def simulate_stale_sgd(model: nn.Module, dataset, loss_fn: Callable, *, lr: float, batch_size: int, steps: int,
+                       staleness: int, seed: int = 0) -> list[float]:
+    """Plain SGD in one process where every gradient is `staleness` updates old when it is applied.
+
+    Step t computes the gradient at the parameters of step t - staleness (the start, for the first
+    steps) on batch t, and applies it to the current parameters: what an asynchronous worker does
+    when `staleness` other updates land while it computes. No timing is involved, so the result is
+    the same on every run.
+
+    Returns:
+        The whole-dataset loss before the first step and after every step (steps + 1 numbers).
+    """
+    _check_model(model)
+    device = next(model.parameters()).device
+    n = _dataset_len(dataset)
+    order = [i for epoch in range(steps * batch_size // n + 1)
+             for i in sharding.epoch_order(n, 1, shuffle=True, seed=seed, epoch=epoch)]
+    history = collections.deque([torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()],
+                                maxlen=staleness + 1)
+    current = history[-1].clone()
+    losses = [_full_loss(model, dataset, loss_fn, device)]
+    for t in range(steps):
+        _load_flat(model, history[0])                     # the parameters the gradient is computed on
+        model.zero_grad()
+        _local_loss(model, loss_fn, *take_batch(dataset, order[t * batch_size:(t + 1) * batch_size], device)).backward()
+        current = current - lr * _flat_grad(model)
+        history.append(current.clone())
+        _load_flat(model, current)
+        losses.append(_full_loss(model, dataset, loss_fn, device))
+    return losses
