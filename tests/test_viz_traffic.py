@@ -164,3 +164,35 @@ def test_helpful_errors():
     with pytest.raises(ValueError, match="quantity"):
         tp.formula("ring", "fastest", 4, 10)
     assert tp.formula("master", "busiest", 4, 10) == 60
+
+
+def test_traffic_table_lists_every_rank_and_the_totals(runs):
+    recs = runs["parameter_server", UNEVEN][5]
+    lines = tp.traffic_table(recs, highlight={0: "master"}).splitlines()
+    assert lines[1].split()[:2] == ["0", "(master)"]
+    for rank, rec in enumerate(recs):
+        numbers = [int(word) for word in lines[1 + rank].split() if word.isdigit()][1:]
+        assert numbers == [rec.messages_sent, rec.messages_received, rec.bytes_sent, rec.bytes_received]
+    totals = [int(word) for word in lines[-1].split()[1:]]
+    assert totals == [sum(getattr(r, name) for r in recs)
+                      for name in ("messages_sent", "messages_received", "bytes_sent", "bytes_received")]
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4, 8))
+def test_cost_model_plot_draws_the_model_and_its_crossover(world_size):
+    from course_lib import cost
+
+    alpha, beta = 5e-6, 1 / 50e9
+    sizes = [2.0 ** k for k in range(3, 31)]
+    fig = tp.plot_cost_model(world_size, alpha, beta, variants=("naive", "ring"), sizes=sizes)
+    for variant in ("naive", "ring"):
+        xs, ys = _line(fig, f"{variant} (model)")
+        assert xs == sizes
+        assert ys == pytest.approx([cost.predict(variant, world_size, n, alpha, beta) for n in sizes])
+    crossings = [line for line in fig.axes[0].lines if line.get_label() == "crossover naive / ring"]
+    if world_size == 2:  # same bytes, twice the steps: the ring never catches up
+        assert crossings == []
+    else:
+        (line,) = crossings
+        expected = world_size * alpha / ((world_size - 2) * beta)  # (G-1)a + (G-1)nb = 2(G-1)a + 2(G-1)/G nb
+        assert line.get_xdata()[0] == pytest.approx(expected)

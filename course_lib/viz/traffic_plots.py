@@ -40,10 +40,12 @@ __all__ = [
     "rank_totals",
     "measure",
     "expected_traffic",
+    "traffic_table",
     "plot_rank_traffic",
     "plot_master_vs_others",
     "plot_traffic_vs_world_size",
     "plot_message_timeline",
+    "plot_cost_model",
 ]
 
 # Okabe & Ito (2008): distinguishable with every common colour-vision deficiency.
@@ -174,6 +176,26 @@ def _bytes_per_element(recordings: Sequence) -> int:
             if event.numel:
                 return event.nbytes // event.numel
     return 4
+
+
+def traffic_table(recordings: Sequence, highlight: Mapping[int, str] | None = None) -> str:
+    """What every rank sent and received, as a text table (one row per rank, then the totals).
+
+    Example::
+
+        rank        msgs sent  msgs recv  bytes sent  bytes recv
+        0 (master)          3          3       12000       12000
+        1                   1          1        4000        4000
+    """
+    names = [f"{r}" + (f" ({highlight[r]})" if highlight and r in highlight else "") for r in range(len(recordings))]
+    width = max([len("total")] + [len(n) for n in names])
+    columns = ("msgs sent", "msgs recv", "bytes sent", "bytes recv")
+    rows = [(name, rec.messages_sent, rec.messages_received, rec.bytes_sent, rec.bytes_received)
+            for name, rec in zip(names, recordings)]
+    rows.append(("total", *(sum(row[i] for row in rows) for i in range(1, 5))))
+    lines = [f"{'rank':<{width}}" + "".join(f"  {c:>10}" for c in columns)]
+    lines += [f"{row[0]:<{width}}" + "".join(f"  {v:>10}" for v in row[1:]) for row in rows]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,7 +381,12 @@ def plot_traffic_vs_world_size(runs: Mapping[str, Mapping[int, Sequence]], numel
     ax.set_xlabel("number of ranks G")
     ax.set_ylabel(f"{unit}: {QUANTITIES[quantity]}")
     if log_y:
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _human(int(round(value)), unit)))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         ax.set_ylim(0, max(tops) * 1.12)
     ax.legend(loc="upper left", frameon=False, fontsize=8)
@@ -439,3 +466,74 @@ def plot_message_timeline(recordings: Sequence, title: str | None = None, show_c
     ax.set_xlabel("step within phase (arrow: sender -> receiver; cK = chunk K)")
     ax.set_title(title or f"messages of one run on {G} ranks", fontsize=11, pad=18)
     return fig
+
+
+def plot_cost_model(world_size: int, alpha: float, beta: float, variants: Sequence[str] = ("naive", "ring"),
+                    sizes: Sequence[float] | None = None, measured=None, title: str | None = None):
+    """Modelled time of each variant against the message size (alpha-beta model), crossovers marked.
+
+    Lines are `course_lib.cost.predict` (model, not measurement, and labelled so); where two
+    variants' lines cross, a vertical line marks `course_lib.cost.crossover_bytes`. Measured medians
+    (`course_lib.bench.Results`) can be drawn on top as markers.
+
+    Args:
+        world_size: G.
+        alpha: seconds per step; beta: seconds per byte.
+        variants: names known to `course_lib.cost` ('naive', 'parameter_server', 'ring', ...).
+        sizes: bytes per rank for the x axis (default: 8 B to 1 GiB).
+        measured: optional `bench.Results`; the records of these variants on `world_size` ranks are drawn.
+
+    Returns:
+        The Figure. Lines labelled '<variant> (model)' hold the modelled seconds; the crossover lines
+        are labelled 'crossover <a> / <b>' and sit at x = the crossover size.
+    """
+    import math
+
+    from course_lib import cost
+
+    sizes = list(sizes) if sizes is not None else [2.0 ** k for k in range(3, 31)]
+    fig, (ax,) = _figure(6.4, 4.0)
+    slowest = 0.0
+    for i, name in enumerate(variants):
+        variant = _variant(name)
+        style = VARIANT_STYLE[variant]
+        seconds = [float(cost.predict(variant, world_size, n, alpha, beta)) for n in sizes]
+        slowest = max(slowest, *seconds)
+        ax.plot(sizes, seconds, color=style["color"], linestyle=style["linestyle"], linewidth=1.6,
+                label=f"{variant} (model)")
+        ax.annotate(f"{style['label']}\n{cost.model_for(variant).formula}", (sizes[-1], seconds[-1]),
+                    textcoords="offset points", xytext=(4, 10 - 20 * (i % 2)), va="center", fontsize=7)
+        if measured is not None:
+            rows = sorted((r for r in measured if r.variant == variant and r.world_size == world_size),
+                          key=lambda r: r.nbytes)
+            if rows:
+                ax.plot([r.nbytes for r in rows], [r.median for r in rows], linestyle="none",
+                        label=f"{variant} (measured median)", **_marker(variant))
+    for i, a in enumerate(variants):
+        for b in variants[i + 1:]:
+            n = cost.crossover_bytes(_variant(a), _variant(b), world_size, alpha, beta)
+            if math.isfinite(n) and sizes[0] <= n <= sizes[-1]:
+                ax.axvline(n, color="black", linestyle=":", linewidth=1.0, label=f"crossover {_variant(a)} / {_variant(b)}")
+                ax.annotate(f"crossover\n{_human_bytes(n)}", (n, 1.0), xycoords=ax.get_xaxis_transform(),
+                            xytext=(3, -3), textcoords="offset points", va="top", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    low, high = math.ceil(math.log2(sizes[0])), math.floor(math.log2(sizes[-1]))
+    ticks = [2.0 ** k for k in range(low, high + 1, max(1, (high - low) // 6))]
+    ax.set_xticks(ticks, [_human_bytes(t) for t in ticks], fontsize=8)
+    ax.grid(True, which="major", axis="both", color="0.88", linewidth=0.7)
+    ax.set_xlabel("bytes per rank (log scale)")
+    ax.set_ylabel("seconds per all-reduce (log scale)")
+    ax.set_xlim(sizes[0], sizes[-1] * 64)  # room for the line labels
+    ax.set_ylim(top=slowest * 6)
+    ax.legend(loc="upper left", frameon=False, fontsize=7)
+    ax.set_title(title or f"alpha-beta model, G = {world_size}: alpha = {alpha * 1e6:.3g} us, "
+                 f"1/beta = {1 / beta / 1e9:.3g} GB/s", fontsize=10)
+    return fig
+
+
+def _human_bytes(n: float) -> str:
+    for factor, suffix in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if n >= factor:
+            return f"{n / factor:.3g} {suffix}"
+    return f"{n:.3g} B"
