@@ -373,6 +373,10 @@ def plot_traffic_vs_world_size(runs: Mapping[str, Mapping[int, Sequence]], numel
         ax.plot(sizes, measured, linestyle="none", label=f"{style['label']} (measured)", **_marker(variant))
         line_ends.setdefault((dense[-1], predicted[-1]), []).append(f"{style['label']}: {text}")
         tops += measured + predicted
+    if quantity == "max_sent" and "ring" in {_variant(name) for name in runs}:
+        limit = 2 * numel * (_bytes_per_element(next(iter(runs["ring"].values()))) if unit == "bytes" else 1)
+        ax.axhline(limit, color="0.35", linestyle=":", linewidth=1.2, label="2N: the ring's limit as G grows")
+        tops.append(limit)
     # Variants whose lines coincide (naive and master for 'max_sent') share one label.
     for (x, y), texts in line_ends.items():
         ax.annotate("\n".join(texts), (x, y), textcoords="offset points", xytext=(6, 0), va="center", fontsize=8)
@@ -527,8 +531,9 @@ def plot_cost_model(world_size: int, alpha: float, beta: float, variants: Sequen
     ax.set_xlim(sizes[0], sizes[-1] * 64)  # room for the line labels
     ax.set_ylim(top=slowest * 6)
     ax.legend(loc="upper left", frameon=False, fontsize=7)
-    ax.set_title(title or f"alpha-beta model, G = {world_size}: alpha = {alpha * 1e6:.3g} us, "
-                 f"1/beta = {1 / beta / 1e9:.3g} GB/s", fontsize=10)
+    bandwidth = f"{1 / beta / 1e9:.3g} GB/s" if beta > 0 else "unlimited"
+    ax.set_title(title or f"alpha-beta model, G = {world_size}: alpha = {alpha * 1e6:.3g} us, 1/beta = {bandwidth}",
+                 fontsize=10)
     return fig
 
 
