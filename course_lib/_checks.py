@@ -112,13 +112,17 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
     return table
 
 
-def prepare(call: str, tensor, op=None, root=None, local=None, same=("numel", "dtype", "op", "root")):
+NO_OP = object()  # what `prepare` gets from a collective that takes no reduce op
+
+
+def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "dtype", "op", "root")):
     """Check one rank's arguments, agree on them with every other rank, and return the op's name.
 
     Args:
         call: the function's name, for messages ('all_reduce', 'allreduce.ring', ...).
         tensor: the tensor this rank passed (checked to be one).
-        op: the reduce op, or None for collectives without one.
+        op: the reduce op; leave it out for collectives without one (an op of None is an error:
+            it would otherwise only fail halfway through the algorithm, or not at all on one rank).
         root: src/dst for rooted collectives, or None.
         local: optional function raising TypeError/ValueError for further local problems.
         same: the fields that must agree across ranks.
@@ -131,7 +135,7 @@ def prepare(call: str, tensor, op=None, root=None, local=None, same=("numel", "d
 
     problem = None
     try:
-        op = None if op is None else ops.normalize(op)
+        op = None if op is NO_OP else ops.normalize(op)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{call} expects a torch.Tensor, got {type(tensor).__name__}. "
                             "Wrap your data first, e.g. torch.tensor(values).")

@@ -39,7 +39,7 @@ def owned_chunk(rank: int, world_size: int) -> int:
     return (rank + 1) % world_size
 
 
-def _prepare(call: str, tensor, op, root=None) -> str:
+def _prepare(call: str, tensor, op=_checks.NO_OP, root=None) -> str:
     """Check this rank's arguments, agree on them with the other ranks, return the op's name."""
     return _checks.prepare(call, tensor, op=op, root=root)
 
@@ -188,7 +188,7 @@ def ring_all_gather(tensor: torch.Tensor) -> None:
     Expects what `ring_scatter_reduce` leaves: rank r holds chunk (r + 1) mod G complete. Afterwards
     every rank holds every chunk complete, so `tensor` is the full result on every rank.
     """
-    _prepare("allreduce.ring_all_gather", tensor, op=None)
+    _prepare("allreduce.ring_all_gather", tensor)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     with _flat(tensor) as flat:
