@@ -204,8 +204,12 @@ def _style():
         yield
 
 
-def _new_figure(width: float, height: float, nrows: int = 1, ncols: int = 1, **kwargs):
+def _new_figure(width: float, height: float, nrows: int = 1, ncols: int = 1, *, title: str | None = None,
+                **kwargs):
     import matplotlib.pyplot as plt
+
+    if title:  # wide enough for the title (about 11 characters per inch at 10-11 points)
+        width = max(width, 0.5 + len(title) / 11)
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, **kwargs)
     # Close it at once: pyplot forgets it, so the notebook shows it only when the function's
@@ -287,7 +291,9 @@ def draw_cells(ax, cells, world_size: int, *, texts=None, outlined=(), dashed=()
         if patches:
             ax.add_collection(PatchCollection(patches, zorder=2, **style))
     ax.set_xlim(-0.05, max(ncols, 1) + 0.05)
-    ax.set_ylim(len(cells) + 0.05, -0.05)  # rank 0 at the top
+    # Rank 0 at the top, and room above the first row for the column labels.
+    label_lines = max((str(name).count("\n") + 1 for name in column_labels or []), default=0)
+    ax.set_ylim(len(cells) + 0.05, -0.05 - 0.28 * label_lines)
     ax.axis("off")
     # Labels as plain texts outside the axes (cheaper than ticks); tight_layout makes room for them.
     names = row_labels if row_labels is not None else [f"rank {r} · {rank_name(r)}" for r in range(len(cells))]
@@ -349,11 +355,11 @@ def draw_buffers(buffers, world_size: int, *, title: str | None = None, show_pie
     own_figure = ax is None
     with _style():
         if own_figure:
-            fig, axes = _new_figure(1.2 + 0.9 * max(ncols, 1), 0.5 + 0.55 * len(cells))
+            fig, axes = _new_figure(1.2 + 0.9 * max(ncols, 1), 0.5 + 0.55 * len(cells), title=title)
             ax = axes[0][0]
         draw_cells(ax, cells, world_size, texts=texts, column_labels=column_labels, row_labels=row_labels)
         if title:
-            ax.set_title(title, fontsize=10, loc="left", pad=16 if column_labels else 6)
+            ax.set_title(title, fontsize=10, loc="left", pad=6)
         if own_figure:
             ax.figure.tight_layout()
         return ax.figure
@@ -387,11 +393,11 @@ def draw_chunks(tensors, world_size: int, *, title: str | None = None, show_valu
     own_figure = ax is None
     with _style():
         if own_figure:
-            fig, axes = _new_figure(1.2 + 0.9 * world_size, 0.9 + 0.55 * len(cells))
+            fig, axes = _new_figure(1.2 + 0.9 * world_size, 1.0 + 0.55 * len(cells), title=title)
             ax = axes[0][0]
         draw_cells(ax, cells, world_size, texts=texts, column_labels=column_labels)
         if title:
-            ax.set_title(title, fontsize=10, loc="left", pad=22)
+            ax.set_title(title, fontsize=10, loc="left", pad=6)
         if own_figure:
             ax.figure.tight_layout()
         return ax.figure
@@ -414,7 +420,7 @@ def draw_before_after(before, after, world_size: int, *, title: str | None = Non
               for side in (before, after)]
     with _style():
         # Axes as wide as their number of cells, so a cell has the same size in both panels.
-        fig, axes = _new_figure(2.6 + 0.9 * sum(widths), 0.8 + 0.55 * len(before), 1, 2,
+        fig, axes = _new_figure(2.6 + 0.9 * sum(widths), 0.8 + 0.55 * len(before), 1, 2, title=title,
                                 gridspec_kw={"width_ratios": widths})
         for ax, side, label, width in zip(axes[0], (before, after), labels, widths):
             draw_buffers(side, world_size, title=label, show_pieces=show_pieces, show_values=show_values, ax=ax)

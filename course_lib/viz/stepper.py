@@ -20,6 +20,7 @@ replay and the numbers agree.
 from __future__ import annotations
 
 import io
+import textwrap
 from dataclasses import dataclass, field
 
 from course_lib.viz.buffers import (_new_figure, _style, draw_cells, provenance_label, rank_name)
@@ -264,11 +265,14 @@ def draw_steps(history: ChunkHistory, *, include_start: bool = False, columns: i
     ks = list(range(0 if include_start else 1, history.steps + 1))
     columns = columns or max(1, min(len(ks), 4 if G <= 5 else 3))
     rows = -(-len(ks) // columns)
-    panel_w, panel_h = 0.3 + 0.58 * G, 0.8 + 0.38 * G
+    panel_w, panel_h = max(2.3, 0.3 + 0.58 * G), 0.8 + 0.38 * G
     first_w = panel_w + 0.5
+    width = first_w + panel_w * (columns - 1)
+    key = textwrap.wrap(_KEY, width=int(width * 15))      # about 15 characters per inch at 7 points
+    key_h = 0.14 * len(key) + 0.1
     with _style():
-        fig, axes = _new_figure(first_w + panel_w * (columns - 1), panel_h * rows + 0.3 + (0.4 if title else 0),
-                                rows, columns, gridspec_kw={"width_ratios": [first_w] + [panel_w] * (columns - 1)})
+        fig, axes = _new_figure(width, panel_h * rows + key_h + (0.4 if title else 0), rows, columns, title=title,
+                                gridspec_kw={"width_ratios": [first_w] + [panel_w] * (columns - 1)})
         for index, ax in enumerate(axes.flat):
             if index < len(ks):
                 row_labels = [f"{r} · {rank_name(r)}" for r in range(G)] if index % columns == 0 else [""] * G
@@ -278,8 +282,8 @@ def draw_steps(history: ChunkHistory, *, include_start: bool = False, columns: i
                 fig.delaxes(ax)
         if title:
             fig.suptitle(title, fontsize=11, x=0.01, ha="left")
-        fig.text(0.01, 0.005, _KEY, fontsize=7, ha="left", va="bottom", wrap=True)
-        fig.tight_layout(rect=(0, 0.04 if rows > 1 else 0.07, 1, 1))
+        fig.text(0.01, 0.01, "\n".join(key), fontsize=7, ha="left", va="bottom")
+        fig.tight_layout(rect=(0, key_h / fig.get_figheight(), 1, 1))
         return fig
 
 
