@@ -74,6 +74,14 @@ def strided(tensor):
     return view
 
 
+def gaps_untouched(view):
+    """For a tensor made by `strided`: the buffer elements between its elements are still zero.
+
+    A collective may write a strided output only through its own strides, never beside them.
+    """
+    return view._base is None or bool((view._base[..., 1::2] == 0).all())
+
+
 def tolerance(inputs, op, dtype):
     """Elementwise bound on |course_lib result - torch result| when reducing `inputs`, or None for exact.
 
@@ -139,7 +147,8 @@ def assert_same_on_every_rank(digests_per_rank, label=""):
     first = digests_per_rank[0]
     differ = [case for case in first if len({d.get(case) for d in digests_per_rank}) != 1]
     assert all(set(d) == set(first) for d in digests_per_rank), f"{label}: ranks ran different cases"
-    assert not differ, f"{label}: results are not bit-identical across ranks for {len(differ)} case(s), e.g. {differ[:5]}"
+    assert not differ, (f"{label}: results are not bit-identical across ranks for {len(differ)} case(s), "
+                        f"e.g. {differ[:5]}")
 
 
 @pytest.fixture(params=WORLD_SIZES, ids=lambda g: f"G{g}")

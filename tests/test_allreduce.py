@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import (DTYPES, MILLION, TORCH_OPS, assert_no_failures, assert_same_on_every_rank, digest,
-                      lengths, make_input, mismatch, ops_for, run, strided, tolerance)
+                      gaps_untouched, lengths, make_input, mismatch, ops_for, run, strided, tolerance)
 from course_lib import allreduce
 
 
@@ -53,10 +53,8 @@ def _cases(G):
         cases.append(("parameter_server", torch.float32, "SUM", (G + 1,), False, root))
     if G == 3:  # about a million elements, a few combinations
         cases += [("ring", torch.float32, "SUM", (MILLION,), False, 0),
-                  ("ring", torch.bfloat16, "AVG", (MILLION,), False, 0),
-                  ("naive", torch.float64, "MAX", (MILLION,), False, 0),
-                  ("parameter_server", torch.int64, "SUM", (MILLION,), False, G - 1),
-                  ("composed", torch.float32, "PRODUCT", (MILLION,), False, 0)]
+                  ("naive", torch.bfloat16, "AVG", (MILLION,), False, 0),
+                  ("parameter_server", torch.int64, "MAX", (MILLION,), False, G - 1)]
     return cases
 
 
@@ -88,8 +86,8 @@ def _variants_rank(rank, G):
                 allreduce.get(variant)(mine, op_arg)
         except Exception as exc:
             raise RuntimeError(f"case {name!r} raised on rank {rank}") from exc
-        if noncontig and mine.is_contiguous():
-            failures.append(f"{name}: the strided tensor was replaced, not written in place")
+        if noncontig and not gaps_untouched(mine):
+            failures.append(f"{name}: wrote into the buffer between the strided tensor's elements")
         problem = mismatch(mine, expected, tolerance(everyone, op, dtype), what="result vs torch")
         if problem:
             failures.append(f"{name}: {problem}")

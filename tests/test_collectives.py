@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import (DTYPES, MILLION, TORCH_OPS, assert_no_failures, assert_same_on_every_rank, digest,
-                      lengths, make_input, mismatch, ops_for, run, strided, tolerance)
+                      gaps_untouched, lengths, make_input, mismatch, ops_for, run, strided, tolerance)
 from course_lib import collectives
 
 
@@ -45,7 +45,7 @@ def check_broadcast(rank, G, seed, shape, dtype, noncontig, src):
     dist.broadcast(expected, src)
     mine = _layout(x.clone(), noncontig)
     collectives.broadcast(mine, src=src)
-    return [mismatch(mine, expected, what="broadcast result")]
+    return [mismatch(mine, expected, what="broadcast result")] + _gaps([mine], "broadcast")
 
 
 def check_scatter(rank, G, seed, shape, dtype, noncontig, src):
@@ -55,7 +55,7 @@ def check_scatter(rank, G, seed, shape, dtype, noncontig, src):
     mine = _layout(torch.full(shape, 7, dtype=dtype), noncontig)
     scatter_list = [_layout(p.clone(), noncontig) for p in pieces] if pieces else None
     collectives.scatter(mine, scatter_list, src=src)
-    problems = [mismatch(mine, expected, what="scatter result")]
+    problems = [mismatch(mine, expected, what="scatter result")] + _gaps([mine], "scatter")
     if pieces:
         problems += [mismatch(s, p, what=f"src's scatter_list[{j}] was modified")
                      for j, (s, p) in enumerate(zip(scatter_list, pieces))]
@@ -72,6 +72,7 @@ def check_gather(rank, G, seed, shape, dtype, noncontig, dst):
     problems = [mismatch(mine_in, x, what="gather input was modified")]
     if rank == dst:
         problems += [mismatch(m, e, what=f"gather_list[{j}]") for j, (m, e) in enumerate(zip(mine, expected))]
+        problems += _gaps(mine, "gather")
     return problems
 
 
@@ -82,7 +83,7 @@ def check_all_gather(rank, G, seed, shape, dtype, noncontig):
     mine_in = _layout(x.clone(), noncontig)
     mine = [_layout(torch.full(shape, 7, dtype=dtype), noncontig) for _ in range(G)]
     collectives.all_gather(mine, mine_in)
-    return ([mismatch(mine_in, x, what="all_gather input was modified")]
+    return ([mismatch(mine_in, x, what="all_gather input was modified")] + _gaps(mine, "all_gather")
             + [mismatch(m, e, what=f"tensor_list[{j}]") for j, (m, e) in enumerate(zip(mine, expected))])
 
 
@@ -107,8 +108,10 @@ def check_all_to_all(rank, G, seed, shape, dtype, noncontig, uneven):
     mine_in = [_layout(x.clone(), noncontig) for x in inputs]
     mine = [_layout(torch.full(s, 7, dtype=dtype), noncontig) for s in out_shapes]
     collectives.all_to_all(mine, mine_in)
-    return ([mismatch(m, x, what=f"input_tensor_list[{j}] was modified") for j, (m, x) in enumerate(zip(mine_in, inputs))]
-            + [mismatch(m, e, what=f"output_tensor_list[{j}]") for j, (m, e) in enumerate(zip(mine, expected))])
+    return ([mismatch(m, x, what=f"input_tensor_list[{j}] was modified")
+             for j, (m, x) in enumerate(zip(mine_in, inputs))]
+            + [mismatch(m, e, what=f"output_tensor_list[{j}]") for j, (m, e) in enumerate(zip(mine, expected))]
+            + _gaps(mine, "all_to_all"))
 
 
 def check_reduce(rank, G, seed, shape, dtype, noncontig, dst, op):
@@ -120,7 +123,8 @@ def check_reduce(rank, G, seed, shape, dtype, noncontig, dst, op):
     collectives.reduce(mine, dst=dst, op=op)
     if rank != dst:  # documented: the other ranks' tensors are left as they were
         return [mismatch(mine, x, what=f"reduce {op}: non-dst tensor was modified")]
-    return [mismatch(mine, expected, tolerance(everyone, op, dtype), what=f"reduce {op} at dst")]
+    return ([mismatch(mine, expected, tolerance(everyone, op, dtype), what=f"reduce {op} at dst")]
+            + _gaps([mine], "reduce"))
 
 
 def check_all_reduce(rank, G, seed, shape, dtype, noncontig, op, digests, name):
@@ -131,7 +135,8 @@ def check_all_reduce(rank, G, seed, shape, dtype, noncontig, op, digests, name):
     # torch.distributed.ReduceOp and the op's name are both accepted: alternate them.
     collectives.all_reduce(mine, op=TORCH_OPS[op] if seed % 2 else op.lower())
     digests[name] = digest(mine)
-    return [mismatch(mine, expected, tolerance(everyone, op, dtype), what=f"all_reduce {op}")]
+    return ([mismatch(mine, expected, tolerance(everyone, op, dtype), what=f"all_reduce {op}")]
+            + _gaps([mine], "all_reduce"))
 
 
 def check_reduce_scatter(rank, G, seed, shape, dtype, noncontig, op, digests, name):
@@ -143,6 +148,7 @@ def check_reduce_scatter(rank, G, seed, shape, dtype, noncontig, op, digests, na
     collectives.reduce_scatter(mine, mine_in, op=op)
     contributions = [make_input(seed, r * G + rank, shape, dtype, op) for r in range(G)]
     return ([mismatch(mine, expected, tolerance(contributions, op, dtype), what=f"reduce_scatter {op}")]
+            + _gaps([mine], "reduce_scatter")
             + [mismatch(m, x, what=f"input_list[{j}] was modified") for j, (m, x) in enumerate(zip(mine_in, inputs))])
 
 
@@ -170,8 +176,9 @@ def _cases(G):
     for dtype in DTYPES:
         if dtype == torch.float32:
             chosen = shapes
-        else:  # three of the lengths, a different three for each dtype, and one strided shape
-            chosen = [one_d[(turn + k) % len(one_d)] for k in (0, 2, 4)] + [extra[turn % len(extra)]]
+        else:  # some of the lengths, different ones for each dtype, and one strided shape
+            steps = (0, 2, 4) if G <= 4 else (0, 3)  # fewer at G = 5, 6, where each step costs most
+            chosen = [one_d[(turn + k) % len(one_d)] for k in steps] + [extra[turn % len(extra)]]
             turn += 1
         for index, (shape, noncontig) in enumerate(chosen):
             common = dict(shape=shape, dtype=dtype, noncontig=noncontig)
@@ -205,14 +212,16 @@ def _cases(G):
         big = dict(shape=(MILLION,), noncontig=False)
         cases += [
             ("broadcast float32 1M", check_broadcast, dict(big, dtype=torch.float32, src=G - 1)),
-            ("all_gather bfloat16 ~1M/G", check_all_gather, dict(big, shape=(MILLION // G,), dtype=torch.bfloat16)),
-            ("reduce float64 SUM 1M", check_reduce, dict(big, dtype=torch.float64, dst=1, op="SUM")),
             ("all_reduce float32 SUM 1M", check_all_reduce, dict(big, dtype=torch.float32, op="SUM")),
-            ("all_reduce int64 MAX 1M", check_all_reduce, dict(big, dtype=torch.int64, op="MAX")),
             ("reduce_scatter bfloat16 AVG ~1M/G", check_reduce_scatter,
              dict(big, shape=(MILLION // G,), dtype=torch.bfloat16, op="AVG")),
         ]
     return cases
+
+
+def _gaps(tensors, what):
+    """Strided outputs must be written through their strides only (see conftest.gaps_untouched)."""
+    return [None if gaps_untouched(x) else f"{what}: wrote between a strided tensor's elements" for x in tensors]
 
 
 def _collectives_rank(rank, G):
