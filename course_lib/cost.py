@@ -15,7 +15,8 @@ folds it into beta (see `fit` for why).
     naive              G-1             G-1              G-1           course_lib.allreduce.naive
     parameter_server   2(G-1)          2(G-1)           G-1           the root receives, then sends, G-1 times
     ring               2(G-1)          2(G-1)/G         (G-1)/G       course_lib.allreduce.ring
-    tree               2 log2 G        2 log2 G         log2 G        binary-tree reduce, then broadcast
+    tree               2 log2 G        2 log2 G         log2 G        binary tree: reduce up, broadcast down,
+                                                                      the whole tensor at every level
     halving_doubling   2 log2 G        2(G-1)/G         (G-1)/G       Rabenseifner; G a power of two
 
 (log2 G is rounded up.) The ring's b(G) tends to 2: its time hardly grows with G for large
