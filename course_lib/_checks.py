@@ -15,6 +15,7 @@ benchmarks do, so they time only the algorithm); a rank's own bad argument is st
 from __future__ import annotations
 
 import contextlib
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -70,12 +71,36 @@ def _by_value(values) -> str:
     return "; ".join(parts)
 
 
+# The functions that agree before they communicate. A rank that meets a call code it does not know
+# still reports a mismatch, only less readably.
+KNOWN_CALLS = ("broadcast", "scatter", "gather", "all_gather", "all_to_all", "reduce", "all_reduce",
+               "reduce_scatter", "allreduce.naive", "allreduce.parameter_server", "allreduce.ring",
+               "allreduce.ring_scatter_reduce", "allreduce.ring_all_gather")
+
+
+def _call_code(call: str) -> int:
+    return zlib.crc32(call.encode()) & 0x7FFFFFFF
+
+
+_CALL_NAMES = {_call_code(name): name for name in KNOWN_CALLS}
+
+
+def _row_width(world_size: int) -> int:
+    # Every rank sends a row of the same length, whichever function it is in, so that ranks which
+    # disagree about the function itself still meet in one all_gather and can say so.
+    # [problem flag, call code, fields...]; all_to_all has the most fields: dtype + 2 sizes per rank.
+    return 2 + max(4, 1 + 2 * world_size)
+
+
 def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None = None,
           device: torch.device | None = None, describe: dict | None = None) -> list[dict]:
     """Share `fields` (name -> int) with every rank and check the ones named in `same` agree.
 
+    Every rank also shares which function it is in, so ranks that call different collectives at the
+    same point stop with an error instead of reading each other's messages.
+
     Args:
-        call: the collective's name, for messages.
+        call: the collective's name, for messages (one of KNOWN_CALLS).
         fields: this rank's description of its call, e.g. {"numel": 12, "dtype": 0, "root": 0}.
         same: names of fields that must be equal on every rank.
         problem: an exception this rank found in its own arguments; it is raised here, and every
@@ -91,22 +116,32 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
             raise problem
         return []
     names = list(fields)
-    row = torch.tensor([1 if problem is not None else 0] + [int(fields[n]) for n in names],
-                       dtype=torch.int64, device=device or torch.device("cpu"))
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    world_size = dist.get_world_size()
+    values = [1 if problem is not None else 0, _call_code(call)] + [int(fields[n]) for n in names]
+    if len(values) > _row_width(world_size):
+        raise ValueError(f"{call}: too many fields to agree on ({len(names)})")
+    values += [0] * (_row_width(world_size) - len(values))
+    row = torch.tensor(values, dtype=torch.int64, device=device or torch.device("cpu"))
+    rows = [torch.empty_like(row) for _ in range(world_size)]
     dist.all_gather(rows, row)
-    table = [dict(zip(names, r.tolist()[1:])) for r in rows]
-    failed = [rank for rank, r in enumerate(rows) if int(r[0]) != 0]
+    rows = [r.tolist() for r in rows]
     if problem is not None:
         raise problem
+    calls = [r[1] for r in rows]
+    if len(set(calls)) > 1:
+        shown = [_CALL_NAMES.get(code, f"another function (code {code})") for code in calls]
+        raise MismatchError(f"the ranks called different functions at the same point: {_by_value(shown)}. "
+                            "Every rank must make the same collective calls, in the same order.")
+    failed = [rank for rank, r in enumerate(rows) if r[0] != 0]
     if failed:
         raise MismatchError(f"{call}: rank(s) {failed} passed invalid arguments (see their own error for what); "
                             "every rank stops here instead of waiting for them.")
+    table = [dict(zip(names, r[2:])) for r in rows]
     describe = {"dtype": _dtype_name, **(describe or {})}
     for name in same:
-        values = [r[name] for r in table]
-        if len(set(values)) > 1:
-            shown = [describe.get(name, str)(v) for v in values]
+        column = [r[name] for r in table]
+        if len(set(column)) > 1:
+            shown = [describe.get(name, str)(v) for v in column]
             raise MismatchError(f"{call}: the ranks disagree about {name}: {_by_value(shown)}. "
                                 f"Every rank must call {call} with the same {name}.")
     return table
@@ -135,7 +170,10 @@ def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "
 
     problem = None
     try:
-        op = None if op is NO_OP else ops.normalize(op)
+        try:
+            op = None if op is NO_OP else ops.normalize(op)
+        except ValueError as exc:
+            raise ValueError(f"{call}: {exc}") from None
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{call} expects a torch.Tensor, got {type(tensor).__name__}. "
                             "Wrap your data first, e.g. torch.tensor(values).")

@@ -45,6 +45,7 @@ DEFAULT_TIMEOUT = 20.0
 # deadlock the watchdog fires first and can report every rank's state before anyone raises.
 _GROUP_TIMEOUT_GRACE = 10.0
 _STDERR_TAIL_LINES = 20
+_FINISHED = "finished"  # status line of a rank that returned and waits for the others
 
 __all__ = [
     "launch",
@@ -262,6 +263,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
             timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_GRACE),
         )
         result = fn(rank, world_size, *args, **kwargs)
+        _rankstate.set_blocked(_FINISHED)
         _write_result(files, ("ok", result))
         # Nobody tears down its sockets while a neighbour may still be reading from them.
         dist.barrier()
@@ -457,9 +459,25 @@ def _stderr_tail(workdir, rank, lines=_STDERR_TAIL_LINES) -> str:
             text = f.readlines()
     except OSError:
         return ""
-    noise = ("/multiprocessing/", f"course_lib{os.sep}launch.py", "Extension modules:")
-    kept = [line for line in text if not any(marker in line for marker in noise)]
-    return "".join(kept[-lines:])
+    return "".join(_without_inherited_frames(text)[-lines:])
+
+
+def _without_inherited_frames(lines: list[str]) -> list[str]:
+    """Drop the stack frames a forked rank inherited from the caller (faulthandler prints them).
+
+    faulthandler lists the innermost frame first; everything from the launcher's `_rank_main`
+    frame down is the caller's own stack (a notebook kernel's or pytest's), not the rank's story,
+    and it would push gloo's actual reason out of the tail.
+    """
+    kept, skipping = [], False
+    for line in lines:
+        if line.lstrip().startswith("File ") and "in _rank_main" in line:
+            skipping = True
+        elif skipping and not line.lstrip().startswith("File "):
+            skipping = False
+        if not skipping and not line.startswith("Extension modules:"):
+            kept.append(line)
+    return kept
 
 
 def _failure_error(processes, workdir, first_seen):
@@ -513,6 +531,9 @@ def _timeout_error(processes, workdir, timeout):
             blocked[rank] = "finished"
             continue
         what = _rankstate.read_slot_file(_RankFiles(workdir, rank).status)
+        if what == _FINISHED:
+            blocked[rank] = "finished: returned from fn and waits for the other ranks"
+            continue
         blocked[rank] = f"blocked in {what}" if what else "running Python code, not inside a course_lib send/recv"
         if hasattr(signal, "SIGUSR1"):
             try:
@@ -520,20 +541,35 @@ def _timeout_error(processes, workdir, timeout):
             except OSError:
                 pass
     time.sleep(0.2)
-    stacks = {rank: _user_frames(_RankFiles(workdir, rank).stack) for rank in blocked if blocked[rank] != "finished"}
+    stacks = {rank: _user_frames(_RankFiles(workdir, rank).stack) for rank in blocked
+              if not blocked[rank].startswith("finished")}
     _stop_all(processes)
     lines = [f"the ranks did not finish within {timeout:g} s. What each rank was doing:"]
     for rank, what in blocked.items():
         where = f"   (at {stacks[rank]})" if stacks.get(rank) else ""
         lines.append(f"  rank {rank}: {what}{where}")
-    waiting = [w for w in blocked.values() if w.startswith(("blocked in recv", "blocked in irecv.wait"))]
-    if waiting and len(waiting) == sum(1 for w in blocked.values() if w != "finished"):
-        lines.append("Every running rank is waiting to receive, so nobody sends: a deadlock. "
-                     "Make one side send first, or post the send with isend before the recv.")
-    else:
-        lines.append("A rank that waits for a message no rank sends will wait forever: check that every "
-                     "recv has a matching send (same peer, same size), or raise `timeout` if the work is just slow.")
+    lines.append(_diagnose(blocked))
     return LaunchTimeoutError("\n".join(lines), blocked=blocked)
+
+
+def _diagnose(blocked: dict) -> str:
+    """One sentence on what the ranks' states suggest."""
+    import re
+
+    finished = {rank for rank, what in blocked.items() if what.startswith("finished")}
+    receiving = {rank: what for rank, what in blocked.items()
+                 if what.startswith(("blocked in recv", "blocked in irecv.wait"))}
+    orphans = [(rank, int(m.group(1))) for rank, what in receiving.items()
+               if (m := re.search(r"src=(\d+)", what)) and int(m.group(1)) in finished]
+    if orphans:
+        rank, src = orphans[0]
+        return (f"Rank {rank} waits for a message from rank {src}, which has already returned: a recv with no "
+                "matching send. Check that both sides make the same number of calls, with matching peers.")
+    if receiving and len(receiving) == len(blocked) - len(finished):
+        return ("Every running rank is waiting to receive, so nobody sends: a deadlock. "
+                "Make one side send first, or post the send with isend before the recv.")
+    return ("A rank that waits for a message no rank sends will wait forever: check that every recv has a "
+            "matching send (same peer, same size), or raise `timeout` if the work is just slow.")
 
 
 def _user_frames(stack_path) -> str:

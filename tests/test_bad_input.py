@@ -341,3 +341,28 @@ def test_outside_a_process_group_the_error_says_to_use_launch():
         collectives.all_reduce(torch.ones(2))
     with pytest.raises(RuntimeError, match="launch"):
         collectives.broadcast(torch.ones(2), src=0)
+
+
+def _different_collectives(rank, world_size):
+    from course_lib import allreduce, collectives
+
+    t = torch.ones(5)
+    try:
+        if rank == 0:
+            allreduce.ring(t)
+        elif rank == 1:
+            collectives.broadcast(t, src=0)
+        else:
+            collectives.all_to_all([torch.ones(1)] * world_size, [torch.ones(1)] * world_size)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every rank raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_ranks_calling_different_collectives_all_stop_with_the_calls_named():
+    outcomes = course_lib.launch(_different_collectives, world_size=3, timeout=30)
+    for outcome in outcomes:
+        assert outcome is not None, "a rank went on although the others called another collective"
+        kind, message = outcome
+        assert kind == "MismatchError"
+        assert "allreduce.ring" in message and "broadcast" in message and "all_to_all" in message

@@ -444,3 +444,32 @@ def test_launch_inside_torchrun_with_a_different_world_size_is_explained(monkeyp
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="inside torchrun.*WORLD_SIZE=2"):
         course_lib.launch(lambda r, w: None, world_size=4)
+
+
+def test_the_gloo_reason_survives_a_deep_caller_stack():
+    """A forked rank inherits the caller's frames; they must not push gloo's reason out of the tail."""
+
+    def fn(rank, world_size):
+        if rank == 0:
+            p2p.send(torch.ones(4), 1)
+        else:
+            p2p.recv(torch.ones(3), 0)
+
+    def nest(depth):
+        return nest(depth - 1) if depth else course_lib.launch(fn, world_size=2, timeout=30)
+
+    with pytest.raises(course_lib.RankFailedError) as caught:
+        nest(40)
+    assert "Received data size" in caught.value.stderr_tail
+    assert "in nest" not in caught.value.stderr_tail
+
+
+def test_a_timeout_says_which_ranks_already_finished_and_who_waits_for_them():
+    def fn(rank, world_size):
+        if rank == 0:
+            p2p.recv(torch.ones(3), src=1)  # rank 1 never sends
+
+    with pytest.raises(course_lib.LaunchTimeoutError) as caught:
+        course_lib.launch(fn, world_size=2, timeout=2)
+    assert caught.value.blocked[1].startswith("finished")
+    assert "waits for a message from rank 1, which has already returned" in str(caught.value)
