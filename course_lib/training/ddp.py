@@ -50,10 +50,14 @@ class CommHookState:
         allreduce: the course_lib all-reduce variant to use ('ring', 'naive', 'parameter_server').
         bucket_sizes: the number of gradient elements of every bucket the hook averaged, in order
             (filled in by the hook: it shows how DDP cut the gradients into buckets).
+        buckets_per_step: the same sizes grouped by training step (DDP marks each step's last
+            bucket). DDP rebuilds its buckets after the first step, so step 0 may differ.
     """
 
     allreduce: str = "ring"
     bucket_sizes: list = field(default_factory=list)
+    buckets_per_step: list = field(default_factory=list)
+    _step_finished: bool = field(default=True, repr=False)
 
 
 # No `from __future__ import annotations` in this module: DDP checks the hook's annotations at
@@ -67,6 +71,10 @@ def allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     """
     buffer = bucket.buffer()
     state.bucket_sizes.append(buffer.numel())
+    if state._step_finished:
+        state.buckets_per_step.append([])
+    state.buckets_per_step[-1].append(buffer.numel())
+    state._step_finished = bucket.is_last()
     buffer.div_(dist.get_world_size())  # before summing, as DDP's own hook does (avoids fp16 overflow)
     allreduce_variants.get(state.allreduce)(buffer, "sum")
     future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()

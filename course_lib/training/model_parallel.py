@@ -19,6 +19,7 @@ the same, operation for operation.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -64,6 +65,9 @@ class PipelineLog:
         losses: per step, the batch's mean loss (only the last stage computes it; empty elsewhere).
         parameters: flat copies of this stage's parameters, before training and after each step.
         activation_elements_sent / gradient_elements_sent: what this stage sent forward / backward.
+        timeline: (step, 'forward' or 'backward', start, end) of every stretch of computing, in
+            `time.perf_counter()` seconds (one clock for all processes of a machine): the gaps
+            between them are the time the stage spent waiting for its neighbours.
     """
 
     rank: int = 0
@@ -71,6 +75,7 @@ class PipelineLog:
     parameters: list = field(default_factory=list)
     activation_elements_sent: int = 0
     gradient_elements_sent: int = 0
+    timeline: list = field(default_factory=list)
 
 
 def _send_activation(tensor: torch.Tensor, dst: int) -> None:
@@ -118,39 +123,45 @@ def train_model_parallel(stage: nn.Module, optimizer: torch.optim.Optimizer, dat
     log = PipelineLog(rank=rank)
     if record_parameters:
         log.parameters.append(flat_parameters(stage) if params else torch.empty(0))
-    steps = 0
+    step = 0
     with traffic.record() as recording:
         for epoch in range(epochs):
             order = sharding.epoch_order(n, 1, shuffle=shuffle, seed=seed, epoch=epoch)
             for batch in sharding.split_batches(order, batch_size):
-                if max_steps is not None and steps >= max_steps:
+                if max_steps is not None and step >= max_steps:
                     break
-                steps += 1
                 inputs, targets = take_batch(dataset, batch, device)
                 if optimizer is not None:
                     optimizer.zero_grad()
                 # Forward: my input is the batch (rank 0) or the previous stage's activations.
                 with traffic.phase("forward"):
                     received = inputs if first else _recv_activation(rank - 1, device).requires_grad_(True)
+                    start = time.perf_counter()
                     output = stage(received)
+                    if last:
+                        loss = loss_fn(output, targets)
+                    log.timeline.append((step, "forward", start, time.perf_counter()))
                     if not last:
                         _send_activation(output, rank + 1)
                 # Backward: start from the loss (last rank) or from the gradient the next stage sent.
                 with traffic.phase("backward"):
                     if last:
-                        loss = loss_fn(output, targets)
+                        start = time.perf_counter()
                         loss.backward()
                         log.losses.append(loss.item())
                     else:
                         grad_output = torch.empty_like(output)
                         p2p.recv(grad_output, rank + 1)
+                        start = time.perf_counter()
                         output.backward(grad_output)
+                    log.timeline.append((step, "backward", start, time.perf_counter()))
                     if not first:
                         p2p.send(received.grad.contiguous(), rank - 1)
                 if optimizer is not None:
                     optimizer.step()
                 if record_parameters:
                     log.parameters.append(flat_parameters(stage) if params else torch.empty(0))
+                step += 1
     log.activation_elements_sent = sum(e.numel for e in recording.in_phase("forward") if e.kind == "send")
     log.gradient_elements_sent = sum(e.numel for e in recording.in_phase("backward") if e.kind == "send")
     return log

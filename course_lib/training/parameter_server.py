@@ -5,8 +5,8 @@ each repeatedly computes a gradient on its own shard with the parameters it last
 the gradient to the server and waits for the reply, which carries the current parameters (the
 *pull*). Every message has exactly one partner:
 
-    server -> worker   tag 2   [ parameters ... | version | accepted ]   (the first one: the start)
-    worker -> server   tag 1   [ gradient ...   | version | loss x count | count | last ]
+    server -> worker   tag 2   [ parameters ... | version | accepted | stop ]   (the first: the start)
+    worker -> server   tag 1   [ gradient ...   | version | loss x count | count ]
     server -> worker   tag 2   the reply to that push, always exactly one
 
 The *version* counts the updates the server has applied. A worker stamps each gradient with the
@@ -16,12 +16,16 @@ version of the parameters it computed it on, so the server can measure its *stal
 
 mode="sync": the server waits for one gradient from every worker, averages them (weighted by
     samples), applies one update and replies to everyone. Every gradient was computed on the
-    current parameters: staleness is always 0, and the result is exactly data-parallel SGD.
+    current parameters: staleness is always 0, and the result is exactly data-parallel SGD. Each
+    worker walks its shard `epochs` times; so does the server's loop, round by round.
 mode="async": the server applies each gradient the moment it arrives and replies only to its
-    sender. Nobody waits for the slowest worker, but a gradient may have been computed on
+    sender. Nobody waits for anybody: a fast worker keeps cycling through its shard (epoch after
+    epoch) and contributes more gradients than a slow one, and a gradient may have been computed on
     parameters several updates old. With ``max_staleness=s`` the server refuses gradients older
     than s updates; the refused worker gets the current parameters and recomputes the same batch.
-    The server stops when every worker's last batch has been accepted, so every run terminates.
+    After as many updates as the sync run has gradients (`epochs` passes over the data), the
+    server answers every worker's next push with *stop*; that last gradient is discarded. Each
+    worker has at most one push in flight, so every run ends with no message left unanswered.
 
 `simulate_stale_sgd` shows the effect of staleness alone, deterministically, in one process.
 """
@@ -44,7 +48,7 @@ from course_lib.training.data_parallel import _check_model, _dataset_len, _local
 __all__ = ["ServerLog", "WorkerLog", "train_parameter_server", "simulate_stale_sgd"]
 
 PUSH_TAG, REPLY_TAG = 1, 2
-_PUSH_EXTRA, _REPLY_EXTRA = 4, 2  # numbers after the gradient / the parameters in each message
+_PUSH_EXTRA, _REPLY_EXTRA = 3, 3  # numbers after the gradient / the parameters in each message
 
 
 @dataclass
@@ -60,7 +64,8 @@ class ServerLog:
         time: per update, seconds since training started.
         initial_loss: the whole-dataset loss before the first update.
         rejected: per worker rank, how many gradients the server refused as too stale.
-        pushes: per worker rank, how many gradients it pushed in all (accepted + rejected).
+        pushes: per worker rank, how many gradients the server considered (accepted + rejected; in
+            async mode not counting the one that arrived after the last update and was answered 'stop').
         elapsed: seconds from the start to the last update.
         parameters: the final parameters (flat, CPU).
     """
@@ -85,12 +90,19 @@ class ServerLog:
 
 @dataclass
 class WorkerLog:
-    """What one worker saw: the versions its gradients were computed on, and its refusals."""
+    """What one worker saw.
+
+    Attributes:
+        versions: the version of the parameters each of its gradients was computed on, in order.
+        accepted, rejected: how many of its gradients the server applied / refused as too stale.
+        waited: seconds spent waiting for the server's replies (in sync mode: for the slowest worker).
+    """
 
     rank: int = 0
     versions: list = field(default_factory=list)
     accepted: int = 0
     rejected: int = 0
+    waited: float = 0.0
 
 
 def _flat_grad(model) -> torch.Tensor:
@@ -116,9 +128,11 @@ def train_parameter_server(model: nn.Module, optimizer: torch.optim.Optimizer, d
     Args:
         model, optimizer: built the same way on every rank; only the server's optimizer steps, and
             the workers start from the server's parameters.
-        dataset, loss_fn, batch_size, epochs, shuffle, seed: as in `train_data_parallel`; the data is
-            dealt out to the G-1 workers with `DistributedSampler`'s rule (padded shards, so every
-            worker has the same number of batches).
+        dataset, loss_fn, batch_size, shuffle, seed: as in `train_data_parallel`; the data is dealt
+            out to the G-1 workers with `DistributedSampler`'s rule (padded shards, so every worker
+            has the same number of batches per epoch).
+        epochs: sync: every worker walks its shard this many times. async: the server applies as
+            many updates as the sync run has gradients; fast workers contribute more of them.
         mode: "sync" or "async" (see the module docstring).
         max_staleness: async only: refuse gradients more than this many updates old (None: accept all).
         worker_delays: seconds each rank sleeps before computing a gradient, index = rank (entry 0 is
@@ -146,14 +160,20 @@ def train_parameter_server(model: nn.Module, optimizer: torch.optim.Optimizer, d
         raise ValueError(f"worker_delays needs one entry per rank ({world_size}), got {len(delays)}")
     if rank == 0:
         return _serve(model, optimizer, dataset, loss_fn, workers, per_epoch * epochs, mode, max_staleness, evaluate)
-    batches = [batch for epoch in range(epochs)
-               for batch in sharding.split_batches(
-                   sharding.shard_indices(n, rank - 1, workers, shuffle=shuffle, seed=seed, epoch=epoch), batch_size)]
+    if mode == "sync":
+        batches = [batch for epoch in range(epochs)
+                   for batch in sharding.split_batches(
+                       sharding.shard_indices(n, rank - 1, workers, shuffle=shuffle, seed=seed, epoch=epoch), batch_size)]
+    else:
+        batches = _endless_batches(n, rank - 1, workers, batch_size, shuffle, seed)
     return _work(model, dataset, loss_fn, batches, delays[rank])
 
 
 def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
-    """A worker: pull, then push a gradient and pull the answer, once per batch (again if refused)."""
+    """A worker: pull, then push a gradient and pull the answer, once per batch (again if refused).
+
+    `batches` may be endless (async): the worker stops when the server's reply says so.
+    """
     device = next(model.parameters()).device
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     reply = torch.empty(flat.numel() + _REPLY_EXTRA, dtype=flat.dtype, device=device)
@@ -161,8 +181,8 @@ def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
     log = WorkerLog(rank=dist.get_rank())
     p2p.recv(reply, 0, tag=REPLY_TAG)                           # the starting parameters
     _load_flat(model, reply[:-_REPLY_EXTRA])
-    version = int(reply[-2].item())
-    for i, batch in enumerate(batches):
+    version = int(reply[-_REPLY_EXTRA].item())
+    for batch in batches:
         accepted = False
         while not accepted:
             if delay:
@@ -171,30 +191,48 @@ def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
             loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))
             loss.backward()
             push[:-_PUSH_EXTRA] = _flat_grad(model)
-            push[-_PUSH_EXTRA:] = torch.tensor([version, loss.item() * len(batch), len(batch), i == len(batches) - 1])
-            log.versions.append(version)
+            push[-_PUSH_EXTRA:] = torch.tensor([version, loss.item() * len(batch), len(batch)])
+            start = time.perf_counter()
             p2p.send(push, 0, tag=PUSH_TAG)
             p2p.recv(reply, 0, tag=REPLY_TAG)
+            log.waited += time.perf_counter() - start
             _load_flat(model, reply[:-_REPLY_EXTRA])
-            version, accepted = int(reply[-2].item()), bool(reply[-1].item())
+            stop = bool(reply[-1].item())
+            if stop:                          # training is over; this last gradient was not used
+                return log
+            log.versions.append(version)
+            version, accepted = int(reply[-_REPLY_EXTRA].item()), bool(reply[-2].item())
             log.accepted, log.rejected = log.accepted + accepted, log.rejected + (not accepted)
     return log
 
 
-def _serve(model, optimizer, dataset, loss_fn, workers, steps, mode, max_staleness, evaluate) -> ServerLog:
-    """The server loop of either mode; returns its measurements."""
+def _endless_batches(dataset_len, worker, workers, batch_size, shuffle, seed):
+    """A worker's batches, epoch after epoch, for as long as the server wants gradients."""
+    epoch = 0
+    while True:
+        mine = sharding.shard_indices(dataset_len, worker, workers, shuffle=shuffle, seed=seed, epoch=epoch)
+        yield from sharding.split_batches(mine, batch_size)
+        epoch += 1
+
+
+def _serve(model, optimizer, dataset, loss_fn, workers, rounds, mode, max_staleness, evaluate) -> ServerLog:
+    """The server loop of either mode; returns its measurements.
+
+    `rounds`: sync rounds (each worker's batches per run). Async applies `workers x rounds` updates,
+    as many as there are gradients in the sync run.
+    """
     device = next(model.parameters()).device
     params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     size = params.numel()
-    if steps * workers >= 2 ** 24 and params.dtype == torch.float32:
+    if rounds * workers >= 2 ** 24 and params.dtype == torch.float32:
         raise ValueError("too many updates to stamp versions exactly in float32 messages")
     log = ServerLog(mode=mode, max_staleness=max_staleness, rejected={w: 0 for w in range(1, workers + 1)},
                     pushes={w: 0 for w in range(1, workers + 1)})
     version = 0
 
-    def reply_to(dst, accepted, wait=True):
+    def reply_to(dst, accepted, stop=False, wait=True):
         message = torch.cat([torch.nn.utils.parameters_to_vector(model.parameters()).detach(),
-                             torch.tensor([version, accepted], dtype=params.dtype, device=device)])
+                             torch.tensor([version, accepted, stop], dtype=params.dtype, device=device)])
         request = p2p.isend(message, dst, tag=REPLY_TAG)
         if wait:
             request.wait()
@@ -222,11 +260,11 @@ def _serve(model, optimizer, dataset, loss_fn, workers, steps, mode, max_stalene
     _wait_all([reply_to(w, True, wait=False) for w in range(1, workers + 1)])    # everyone's first pull
     push = torch.empty(size + _PUSH_EXTRA, dtype=params.dtype, device=device)
     if mode == "sync":
-        for _ in range(steps):
+        for _ in range(rounds):
             gradient, loss_sum, count = torch.zeros(size, dtype=params.dtype, device=device), 0.0, 0
             for w in range(1, workers + 1):        # a fixed order: the sum is the same every run
                 p2p.recv(push, w, tag=PUSH_TAG)
-                pushed_version, w_loss, w_count, _ = push[-_PUSH_EXTRA:].tolist()
+                pushed_version, w_loss, w_count = push[-_PUSH_EXTRA:].tolist()
                 gradient += push[:size] * w_count
                 loss_sum, count = loss_sum + w_loss, count + int(w_count)
                 log.pushes[w] += 1
@@ -234,16 +272,19 @@ def _serve(model, optimizer, dataset, loss_fn, workers, steps, mode, max_stalene
             apply(gradient / count, 0, -1, loss_sum / count)
             _wait_all([reply_to(w, True, wait=False) for w in range(1, workers + 1)])
     else:
-        finished = 0
-        while finished < workers:
+        told_to_stop = 0
+        while told_to_stop < workers:
             sender = p2p.recv(push, None, tag=PUSH_TAG)              # whichever worker is first
-            pushed_version, w_loss, w_count, last = push[-_PUSH_EXTRA:].tolist()
+            if version >= workers * rounds:                          # training is over: send it home
+                reply_to(sender, False, stop=True)
+                told_to_stop += 1
+                continue
+            pushed_version, w_loss, w_count = push[-_PUSH_EXTRA:].tolist()
             staleness = version - int(pushed_version)
             accepted = max_staleness is None or staleness <= max_staleness
             log.pushes[sender] += 1
             if accepted:
                 apply(push[:size].clone(), staleness, sender, w_loss / w_count)
-                finished += bool(last)
             else:
                 log.rejected[sender] += 1
             reply_to(sender, accepted)
