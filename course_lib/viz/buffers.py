@@ -421,7 +421,7 @@ def draw_before_after(before, after, world_size: int, *, title: str | None = Non
     with _style():
         # Axes as wide as their number of cells, so a cell has the same size in both panels.
         fig, axes = _new_figure(2.6 + 0.9 * sum(widths), 0.8 + 0.55 * len(before), 1, 2, title=title,
-                                gridspec_kw={"width_ratios": widths})
+                                gridspec_kw={"width_ratios": [w + 0.1 for w in widths]})
         for ax, side, label, width in zip(axes[0], (before, after), labels, widths):
             draw_buffers(side, world_size, title=label, show_pieces=show_pieces, show_values=show_values, ax=ax)
             ax.set_xlim(-0.05, width + 0.05)

@@ -237,12 +237,14 @@ def draw_step(history: ChunkHistory, k: int, *, column_labels=None, ax=None):
         raise ValueError(f"k must be between 0 and {history.steps} (the number of steps), got {k}")
     G = history.world_size
     labels = column_labels if column_labels is not None else [f"chunk {c}" for c in range(G)]
+    own_figure = ax is None
     with _style():
-        if ax is None:
+        if own_figure:
             fig, axes = _new_figure(1.2 + 0.85 * G, 1.0 + 0.5 * G)
             ax = axes[0][0]
         _draw_state(ax, history, k, 8.0, labels)
-        ax.figure.tight_layout()
+        if own_figure:
+            ax.figure.tight_layout()
         return ax.figure
 
 
@@ -365,6 +367,7 @@ class Stepper:
 
     def _on_choice(self, change):
         if change["new"] is not None:
+            self.caption.value = f"running for {self.chooser.description} = {change['new']} ..."
             self.set_history(self._load(change["new"]))
 
     def _repr_mimebundle_(self, **kwargs):
