@@ -150,6 +150,9 @@ def train_parameter_server(model: nn.Module, optimizer: torch.optim.Optimizer, d
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size < 2:
         raise ValueError("a parameter server needs at least 2 ranks: rank 0 serves, the others compute")
+    if mode == "async" and dist.get_backend() == "nccl":
+        raise ValueError("the asynchronous server receives from whichever worker is first (recv with src=None), "
+                         "which gloo supports and NCCL does not: launch it with backend='gloo'")
     workers = world_size - 1
     n = _dataset_len(dataset)
     per_epoch = sharding.steps_per_epoch(n, workers, batch_size)
