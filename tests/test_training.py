@@ -12,9 +12,10 @@
   update and never exceeds the bound the test sets; the loss goes down; every run terminates.
 * model parallel: stages on N ranks give the one-process model's losses and parameters.
 * the torchrun example runs and prints the loss that train_ddp computes for the same settings.
+* mistakes (a per-sample loss, a one-rank parameter server, too many stages) fail with a clear message.
 
 A 203-sample data set (203 = 7 x 29) does not divide by 2, 3 or 4. Every launch has a timeout, so a
-hang fails in seconds instead of blocking the suite.
+hang fails within it instead of blocking the suite.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from torch.utils.data import DistributedSampler
 
 import course_lib
 from conftest import run
-from course_lib import allreduce, traffic
+from course_lib import allreduce, traffic, training
 from course_lib.training import sharding, toy
-import course_lib.training as training
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 N_SAMPLES, BATCH, LR, MOMENTUM = 203, 8, 0.2, 0.9
