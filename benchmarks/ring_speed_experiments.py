@@ -4,12 +4,16 @@
     python benchmarks/ring_speed_experiments.py --sizes 16MiB --reps 9 --world-size 4
 
 Variants timed in the same launch, taking turns within every repetition (so background load hits all
-of them alike), each repetition = the slowest rank's time after a barrier, median over repetitions:
+of them alike), each repetition = the slowest rank's time after a barrier, median over repetitions;
+the "paired" ratio is the median over repetitions of (variant's time / builtin's time in the same
+repetition), which cancels load that hits both:
 
     builtin        torch.distributed.all_reduce (gloo: a ring in C++ that cuts each chunk into segments)
     ring           course_lib.allreduce.ring, the one the course teaches
     ring_plain     the same schedule on torch.distributed.isend/irecv directly: what course_lib.p2p's
                    checks, tracing and status line cost
+    ring_recv_first ring_plain, but each step posts its irecv before its isend
+    ring_proposed  course_lib's ring with that one change, still on course_lib.p2p (the proposal)
     ring_pipelined every chunk is cut into `segments` pieces; all of a step's receives are posted at once
                    and each piece is added as soon as it arrives, then sent on at once for the next step,
                    so adding one piece overlaps receiving the next (gloo's idea, in Python)
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import course_lib
-from course_lib import allreduce
+from course_lib import allreduce, ops, p2p, traffic
 from course_lib.bench import format_bytes, parse_bytes
 
 
@@ -61,6 +65,60 @@ def ring_plain(tensor: torch.Tensor) -> None:
         request = dist.isend(chunks[send], right)
         dist.recv(chunks[recv], left)
         request.wait()
+
+
+def ring_recv_first(tensor: torch.Tensor) -> None:
+    """ring_plain with the receive posted *before* the send in every step.
+
+    Posting a large isend can write part of the message in the calling thread; until it returns,
+    this rank has not told its left neighbour where to put the incoming chunk, so the neighbour's
+    data waits. Posting irecv first lets both transfers run at once.
+    """
+    rank, g = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % g, (rank - 1) % g
+    chunks = torch.tensor_split(tensor.view(-1), g)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(g - 1):
+        send, recv = (rank - step) % g, (rank - step - 1) % g
+        buffer = incoming[: chunks[recv].numel()]
+        receive = dist.irecv(buffer, left)
+        request = dist.isend(chunks[send], right)
+        receive.wait()
+        chunks[recv].add_(buffer)
+        request.wait()
+    for step in range(g - 1):
+        send, recv = (rank + 1 - step) % g, (rank - step) % g
+        receive = dist.irecv(chunks[recv], left)
+        request = dist.isend(chunks[send], right)
+        receive.wait()
+        request.wait()
+
+
+def ring_proposed(tensor: torch.Tensor, op=ops.SUM) -> None:
+    """The change proposed for course_lib.allreduce.ring: its own code (p2p wrappers, traffic labels,
+    chunk bookkeeping), with each step's receive posted before its send."""
+    rank, g = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % g, (rank - 1) % g
+    flat = tensor.view(-1)
+    chunks = torch.tensor_split(flat, g)
+    incoming = torch.empty(max(chunks[0].numel(), 0), dtype=flat.dtype, device=flat.device)
+    with traffic.phase("scatter_reduce"):
+        for step in traffic.steps(g - 1):
+            send_index, recv_index = (rank - step) % g, (rank - step - 1) % g
+            buffer = incoming[: chunks[recv_index].numel()]
+            receive = p2p.irecv(buffer, left, chunk=recv_index)        # ready for the left neighbour first,
+            request = p2p.isend(chunks[send_index], right, chunk=send_index)  # then start our own send
+            receive.wait()
+            ops.combine_(chunks[recv_index], buffer, op)
+            request.wait()
+    ops.finish_(chunks[(rank + 1) % g], op, g)
+    with traffic.phase("all_gather"):
+        for step in traffic.steps(g - 1):
+            send_index, recv_index = (rank + 1 - step) % g, (rank - step) % g
+            receive = p2p.irecv(chunks[recv_index], left, chunk=recv_index)
+            request = p2p.isend(chunks[send_index], right, chunk=send_index)
+            receive.wait()
+            request.wait()
 
 
 def ring_pipelined(tensor: torch.Tensor, segments: int = 4) -> None:
@@ -173,7 +231,10 @@ VARIANTS = {
     "builtin": dist.all_reduce,
     "ring": allreduce.ring,
     "ring_plain": ring_plain,
+    "ring_recv_first": ring_recv_first,
+    "ring_proposed": ring_proposed,
     "ring_pipelined": ring_pipelined,
+    "ring_pipelined8": lambda t: ring_pipelined(t, segments=8),
     "ring_bidir": ring_bidirectional,
 }
 
@@ -229,7 +290,11 @@ def main(argv=None) -> int:
         for name in names:
             ts = slowest[name]
             med = statistics.median(ts)
-            vs = f"  {med / base:5.2f}x builtin" if base else ""
+            vs = ""
+            if base:
+                # paired: this variant's time / builtin's in the same repetition, median over repetitions
+                paired = statistics.median(t / b for t, b in zip(ts, slowest["builtin"]))
+                vs = f"  {med / base:5.2f}x builtin (ratio of medians), {paired:5.2f}x (paired median)"
             print(f"  {name:<15} median {med * 1e3:8.1f} ms  (min {min(ts) * 1e3:7.1f}, max {max(ts) * 1e3:7.1f}){vs}")
         if args.profile:
             print("  course ring, where one call's time goes (mean over reps, rank 0 | slowest rank's total):")
