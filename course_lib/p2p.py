@@ -116,14 +116,21 @@ class Request:
     def __init__(self, work, call, peer_name, peer, tensor, chunk):
         self._work = work
         self._what = (call, peer_name, peer, tensor, chunk)
+        self._done = False
 
     def wait(self, timeout=None) -> bool:
+        """Block until the message has gone out (isend) or arrived (irecv). Waiting again is a no-op:
+        gloo hangs on a second wait of the same receive, so we remember the first."""
+        if self._done:
+            return True
         call, peer_name, peer, tensor, chunk = self._what
         run = (lambda: self._work.wait()) if timeout is None else (lambda: self._work.wait(timeout))
-        return _blocking(call + ".wait", peer_name, peer, tensor, chunk, run)
+        result = _blocking(call + ".wait", peer_name, peer, tensor, chunk, run)
+        self._done = True
+        return result
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._done or self._work.is_completed()
 
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, chunk: int | None = None) -> Request:

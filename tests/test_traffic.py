@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import make_input, run
+import course_lib
 from course_lib import allreduce, collectives, p2p, traffic
 
 ITEMSIZE = {str(d): torch.empty(0, dtype=d).element_size() for d in
@@ -200,13 +201,13 @@ def _check_ring(per_rank, G, n):
         sr, ag = rec.in_phase("scatter_reduce"), rec.in_phase("all_gather")
         assert len(sr) + len(ag) == len(rec.events) == 4 * (G - 1)
         for phase_events, name in ((sr, "scatter_reduce"), (ag, "all_gather")):
-            # step by step, a send to the right then a receive from the left
+            # step by step: the receive from the left is posted, then the send to the right
             assert [(e.kind, e.step) for e in phase_events] == \
-                [(kind, s) for s in range(G - 1) for kind in ("send", "recv")], name
+                [(kind, s) for s in range(G - 1) for kind in ("recv", "send")], name
             assert all(e.peer == (right if e.kind == "send" else left) for e in phase_events), name
             assert all(e.numel == sizes[e.chunk] for e in phase_events), name
         for s in range(G - 1):
-            (send_sr, recv_sr), (send_ag, recv_ag) = sr[2 * s: 2 * s + 2], ag[2 * s: 2 * s + 2]
+            (recv_sr, send_sr), (recv_ag, send_ag) = sr[2 * s: 2 * s + 2], ag[2 * s: 2 * s + 2]
             assert send_sr.chunk == (rank - s) % G and recv_sr.chunk == (rank - s - 1) % G, (rank, s)
             assert send_ag.chunk == (rank + 1 - s) % G and recv_ag.chunk == (rank - s) % G, (rank, s)
         # After scatter-reduce: chunk c on rank r holds x_c + x_{c+1} + ... + x_r, (r - c) mod G + 1
@@ -242,8 +243,8 @@ def test_ring_schedule_g4_pinned():
                                     ("all_gather", all_gather_send, all_gather_recv)):
             expected = []
             for step in range(3):
-                expected.append(("send", right[rank], chunk_size[sends[step][rank]], phase, step, sends[step][rank]))
                 expected.append(("recv", left[rank], chunk_size[recvs[step][rank]], phase, step, recvs[step][rank]))
+                expected.append(("send", right[rank], chunk_size[sends[step][rank]], phase, step, sends[step][rank]))
             got = [(e.kind, e.peer, e.numel, e.phase, e.step, e.chunk) for e in rec.in_phase(phase)]
             assert got == expected, (rank, phase)
         assert rec.bytes_sent == 8 * (20 - chunk_size[(rank + 1) % 4] - chunk_size[(rank + 2) % 4])
@@ -356,3 +357,21 @@ def test_nested_recordings_with_identical_contents_close_cleanly():
         assert traffic.is_recording()
         assert traffic._active == [outer] and traffic._active[0] is outer
     assert not traffic.is_recording()
+
+
+def _wait_twice(rank, world_size):
+    from course_lib import p2p
+
+    buffer = torch.zeros(3)
+    if rank == 0:
+        request = p2p.isend(torch.arange(3.0), dst=1)
+    else:
+        request = p2p.irecv(buffer, src=0)
+    request.wait()
+    request.wait()  # a second wait must return at once, not hang
+    return buffer.tolist(), request.is_completed()
+
+
+def test_waiting_twice_on_a_request_returns_at_once():
+    results = course_lib.launch(_wait_twice, world_size=2, timeout=20)
+    assert results[1] == ([0.0, 1.0, 2.0], True)
