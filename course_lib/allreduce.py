@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, ops, p2p, traffic
+from course_lib import _checks, collectives, ops, p2p, traffic
 from course_lib._util import flat_view as _flat
 
 __all__ = ["naive", "parameter_server", "ring", "ring_scatter_reduce", "ring_all_gather", "chunk_sizes",
@@ -73,15 +73,7 @@ def naive(tensor: torch.Tensor, op=ops.SUM) -> None:
                 everyone[src] = torch.empty_like(flat)
                 p2p.recv(everyone[src], src)
                 request.wait()
-        _reduce_in_rank_order(flat, everyone, op)
-
-
-def _reduce_in_rank_order(out: torch.Tensor, tensors: list, op: str) -> None:
-    """out <- tensors[0] op tensors[1] op ... op tensors[G-1], in that order on every rank."""
-    out.copy_(tensors[0])
-    for other in tensors[1:]:
-        ops.combine_(out, other, op)
-    ops.finish_(out, op, len(tensors))
+        ops.reduce_in_rank_order(flat, everyone, op)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,24 +89,9 @@ def parameter_server(tensor: torch.Tensor, op=ops.SUM, root: int = 0) -> None:
     Total 2 (G-1) N elements, all of them through the root, which is why it does not scale.
     """
     op = _prepare("allreduce.parameter_server", tensor, op, root=root)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    with _flat(tensor) as flat:
-        with traffic.phase("reduce"):
-            if rank == root:
-                everyone = [flat.clone() if r == root else torch.empty_like(flat) for r in range(world_size)]
-                for src in range(world_size):
-                    if src != root:
-                        p2p.recv(everyone[src], src)
-                _reduce_in_rank_order(flat, everyone, op)
-            else:
-                p2p.send(flat, root)
-        with traffic.phase("broadcast"):
-            if rank == root:
-                requests = [p2p.isend(flat, dst) for dst in range(world_size) if dst != root]
-                for request in requests:
-                    request.wait()
-            else:
-                p2p.recv(flat, root)
+    with _checks.unchecked():  # agreed on once, under this function's name
+        collectives.reduce(tensor, dst=root, op=op)   # phase 'reduce': everyone -> root
+        collectives.broadcast(tensor, src=root)       # phase 'broadcast': root -> everyone
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, allreduce, ops, p2p, traffic
+from course_lib import _checks, ops, p2p, traffic
 from course_lib._util import contiguous_flat, flat_view
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "all_to_all", "reduce", "all_reduce",
@@ -71,13 +71,6 @@ def _recv_into(tensor, src, chunk=None):
 def _wait_all(requests):
     for request in requests:
         request.wait()
-
-
-def _reduce_in_rank_order(out, tensors, op):
-    out.copy_(tensors[0])
-    for other in tensors[1:]:
-        ops.combine_(out, other, op)
-    ops.finish_(out, op, len(tensors))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +233,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op=ReduceOp.SUM, group=None, asyn
             for src in range(world_size):
                 if src != dst:
                     p2p.recv(everyone[src], src)
-            _reduce_in_rank_order(flat, everyone, op)
+            ops.reduce_in_rank_order(flat, everyone, op)
         else:
             p2p.send(flat, dst)
 
@@ -250,6 +243,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
 
     See `course_lib.allreduce` for the ring and for the naive and parameter-server variants.
     """
+    from course_lib import allreduce  # one layer up (allreduce builds on these collectives)
+
     _only_default_group("all_reduce", group, async_op)
     _rank_and_size()
     op = _checks.prepare("all_reduce", tensor, op=op)
@@ -279,4 +274,4 @@ def reduce_scatter(output: torch.Tensor, input_list, op=ReduceOp.SUM, group=None
             p2p.recv(pieces[src], src, chunk=rank)
             request.wait()
     with flat_view(output) as flat:
-        _reduce_in_rank_order(flat, pieces, op)
+        ops.reduce_in_rank_order(flat, pieces, op)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["SUM", "AVG", "PRODUCT", "MAX", "MIN", "OPS", "normalize", "check_dtype", "combine_", "finish_"]
+__all__ = ["SUM", "AVG", "PRODUCT", "MAX", "MIN", "OPS", "normalize", "check_dtype", "combine_", "finish_",
+           "reduce_in_rank_order"]
 
 SUM, AVG, PRODUCT, MAX, MIN = "SUM", "AVG", "PRODUCT", "MAX", "MIN"
 OPS = (SUM, AVG, PRODUCT, MAX, MIN)
@@ -70,3 +71,16 @@ def finish_(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
     if op == AVG:
         tensor.div_(world_size)
     return tensor
+
+
+def reduce_in_rank_order(out: torch.Tensor, tensors: list, op: str) -> torch.Tensor:
+    """out <- tensors[0] op tensors[1] op ... op tensors[G-1], always in that order.
+
+    Floating-point addition is not associative: a rank that added the same numbers in another order
+    could end one rounding step away from the others. Reducing in rank order on every rank that
+    reduces keeps replicas bit-identical.
+    """
+    out.copy_(tensors[0])
+    for other in tensors[1:]:
+        combine_(out, other, op)
+    return finish_(out, op, len(tensors))
