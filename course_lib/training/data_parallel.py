@@ -68,10 +68,31 @@ class TrainingLog:
     epoch_losses: list = field(default_factory=list)
     parameters: list = field(default_factory=list)
     bytes_sent: int = 0
+    _epoch_loss: float = field(default=0.0, repr=False)  # running sums of the epoch in progress
+    _epoch_samples: int = field(default=0, repr=False)
 
     @property
     def final_parameters(self) -> torch.Tensor:
         return self.parameters[-1]
+
+    def record_step(self, mean_loss: float, samples: int, local_samples: int, model: nn.Module | None = None):
+        """Log one optimizer step: the global batch's mean loss and size, this rank's share of it,
+        and (when `model` is given) a copy of the parameters after the update."""
+        self.losses.append(mean_loss)
+        self.samples.append(samples)
+        self.local_samples.append(local_samples)
+        self._epoch_loss += mean_loss * samples
+        self._epoch_samples += samples
+        if model is not None:
+            self.parameters.append(flat_parameters(model))
+
+    def end_epoch(self, epoch: int, done: int, total: int, show_progress: bool = False) -> None:
+        """Close the epoch: its sample-weighted mean loss, and a progress line if asked."""
+        if self._epoch_samples:
+            self.epoch_losses.append(self._epoch_loss / self._epoch_samples)
+            if show_progress:
+                print(f"epoch {epoch + 1} {progress_bar(done, total)} loss {self.epoch_losses[-1]:.4f}", flush=True)
+        self._epoch_loss, self._epoch_samples = 0.0, 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,7 +242,6 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
             mine = sharding.shard_indices(n, rank, world_size, shuffle=shuffle, seed=seed, epoch=epoch,
                                           drop_last=drop_last, pad=pad)                # step 1
             batches = sharding.split_batches(mine, batch_size)
-            epoch_loss, epoch_samples = 0.0, 0
             for step in range(steps):
                 if max_steps is not None and len(log.losses) >= max_steps:
                     break
@@ -236,17 +256,8 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
                     loss_sum = loss.item() * len(batch)
                 total, global_loss = average_gradients(model, len(batch), loss_sum, allreduce)  # step 3
                 optimizer.step()                                                            # step 4
-                log.losses.append(global_loss)
-                log.samples.append(total)
-                log.local_samples.append(len(batch))
-                epoch_loss, epoch_samples = epoch_loss + global_loss * total, epoch_samples + total
-                if record_parameters:
-                    log.parameters.append(flat_parameters(model))
-            if epoch_samples:
-                log.epoch_losses.append(epoch_loss / epoch_samples)
-                if progress and rank == 0:
-                    done = epoch - start_epoch + 1
-                    print(f"epoch {epoch + 1} {progress_bar(done, epochs)} loss {log.epoch_losses[-1]:.4f}", flush=True)
+                log.record_step(global_loss, total, len(batch), model if record_parameters else None)
+            log.end_epoch(epoch, epoch - start_epoch + 1, epochs, show_progress=progress and rank == 0)
     log.bytes_sent = recording.bytes_sent
     return log
 
@@ -274,8 +285,7 @@ def train_single_process(model: nn.Module, optimizer: torch.optim.Optimizer, dat
     log = TrainingLog()
     if record_parameters:
         log.parameters.append(flat_parameters(model))
-    for epoch_list in epoch_batches:
-        epoch_loss, epoch_samples = 0.0, 0
+    for epoch, epoch_list in enumerate(epoch_batches):
         for batch in epoch_list:
             if max_steps is not None and len(log.losses) >= max_steps:
                 break
@@ -283,12 +293,6 @@ def train_single_process(model: nn.Module, optimizer: torch.optim.Optimizer, dat
             loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))
             loss.backward()
             optimizer.step()
-            log.losses.append(loss.item())
-            log.samples.append(len(batch))
-            log.local_samples.append(len(batch))
-            epoch_loss, epoch_samples = epoch_loss + loss.item() * len(batch), epoch_samples + len(batch)
-            if record_parameters:
-                log.parameters.append(flat_parameters(model))
-        if epoch_samples:
-            log.epoch_losses.append(epoch_loss / epoch_samples)
+            log.record_step(loss.item(), len(batch), len(batch), model if record_parameters else None)
+        log.end_epoch(epoch, epoch + 1, len(epoch_batches))
     return log

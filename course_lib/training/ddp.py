@@ -37,7 +37,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import course_lib
 from course_lib import allreduce as allreduce_variants
 from course_lib.training.data_parallel import TrainingLog, _check_model, _local_loss, flat_parameters
-from course_lib.training.toy import progress_bar
 
 __all__ = ["CommHookState", "allreduce_hook", "train_ddp"]
 
@@ -120,7 +119,6 @@ def train_ddp(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, loss_
         log.parameters.append(flat_parameters(model))
     for epoch in range(start_epoch, start_epoch + epochs):
         sampler.set_epoch(epoch)
-        epoch_loss, epoch_samples = 0.0, 0
         for inputs, targets in loader:
             if max_steps is not None and len(log.losses) >= max_steps:
                 break
@@ -132,15 +130,6 @@ def train_ddp(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, loss_
             both = torch.tensor([loss.item() * len(inputs), len(inputs)], dtype=torch.float64, device=device)
             dist.all_reduce(both)
             total_loss, total = both.tolist()
-            log.losses.append(total_loss / total)
-            log.samples.append(int(total))
-            log.local_samples.append(len(inputs))
-            epoch_loss, epoch_samples = epoch_loss + total_loss, epoch_samples + int(total)
-            if record_parameters:
-                log.parameters.append(flat_parameters(model))
-        if epoch_samples:
-            log.epoch_losses.append(epoch_loss / epoch_samples)
-            if progress and rank == 0:
-                done = epoch - start_epoch + 1
-                print(f"epoch {epoch + 1} {progress_bar(done, epochs)} loss {log.epoch_losses[-1]:.4f}", flush=True)
+            log.record_step(total_loss / total, int(total), len(inputs), model if record_parameters else None)
+        log.end_epoch(epoch, epoch - start_epoch + 1, epochs, show_progress=progress and rank == 0)
     return log
