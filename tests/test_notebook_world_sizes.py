@@ -32,9 +32,7 @@ def test_every_notebook_has_exactly_one_world_size_line():
         assert len(hits) == 1 and len(WORLD_SIZE_LINE.findall(hits[0].source)) == 1, path.name
 
 
-@pytest.mark.parametrize("world_size", SIZES)
-@pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
-def test_notebook_runs_with_another_world_size(path, world_size):
+def _run_with_world_size(path, world_size):
     notebook = nbformat.read(path, as_version=4)
     for cell in notebook.cells:
         if cell.cell_type == "code" and WORLD_SIZE_LINE.search(cell.source):
@@ -42,3 +40,34 @@ def test_notebook_runs_with_another_world_size(path, world_size):
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
     client.execute()  # raises CellExecutionError, with the failing cell and traceback, on any error
+
+
+# One class per world size: pytest-xdist's --dist loadscope hands each class to one worker, so the
+# four sizes can run side by side while every notebook still runs start to finish in one kernel.
+class TestWorldSize2:
+    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
+    def test_notebook_runs(self, path):
+        _run_with_world_size(path, 2)
+
+
+class TestWorldSize3:
+    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
+    def test_notebook_runs(self, path):
+        _run_with_world_size(path, 3)
+
+
+class TestWorldSize5:
+    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
+    def test_notebook_runs(self, path):
+        _run_with_world_size(path, 5)
+
+
+class TestWorldSize8:
+    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
+    def test_notebook_runs(self, path):
+        _run_with_world_size(path, 8)
+
+
+def test_the_classes_cover_every_size():
+    assert sorted(int(name[len("TestWorldSize"):]) for name in globals() if name.startswith("TestWorldSize")) \
+        == sorted(SIZES)
