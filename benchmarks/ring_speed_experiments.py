@@ -13,7 +13,8 @@ repetition), which cancels load that hits both:
     ring_plain     the same schedule on torch.distributed.isend/irecv directly: what course_lib.p2p's
                    checks, tracing and status line cost
     ring_recv_first ring_plain, but each step posts its irecv before its isend
-    ring_proposed  course_lib's ring with that one change, still on course_lib.p2p (the proposal)
+    ring_proposed  course_lib's ring with that one change, still on course_lib.p2p (the proposal; since
+                   adopted by course_lib.allreduce.ring, so it and 'ring' now time the same code)
     ring_pipelined every chunk is cut into `segments` pieces; all of a step's receives are posted at once
                    and each piece is added as soon as it arrives, then sent on at once for the next step,
                    so adding one piece overlaps receiving the next (gloo's idea, in Python)
