@@ -22,6 +22,11 @@ from course_lib import _rankstate, traffic
 __all__ = ["send", "recv", "isend", "irecv", "Request"]
 
 
+# (default group, group) -> (rank, world size). Both are fixed for a group's lifetime, and asking
+# torch.distributed for them costs about a microsecond per call, on every message.
+_world_cache: dict = {}
+
+
 def _world(group):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -29,7 +34,11 @@ def _world(group):
             "functions inside a function started by course_lib.launch(fn, world_size) "
             "(or after torch.distributed.init_process_group under torchrun)."
         )
-    return dist.get_rank(group), dist.get_world_size(group)
+    key = (id(dist.group.WORLD), id(group))
+    known = _world_cache.get(key)
+    if known is None:
+        known = _world_cache[key] = (dist.get_rank(group), dist.get_world_size(group))
+    return known
 
 
 def _check(call: str, tensor, peer_name: str, peer, group, allow_any_source=False):
@@ -52,10 +61,11 @@ def _check(call: str, tensor, peer_name: str, peer, group, allow_any_source=Fals
 
 def _describe(call, peer_name, peer, tensor, chunk) -> str:
     text = f"{call}({peer_name}={peer}, shape={tuple(tensor.shape)}, dtype={tensor.dtype}"
-    labels = traffic.current_labels()
-    for key in ("phase", "step"):
-        if labels[key] is not None:
-            text += f", {key}={labels[key]!r}"
+    labels = traffic._labels  # read, not copied: this runs before every blocking call
+    if labels["phase"] is not None:
+        text += f", phase={labels['phase']!r}"
+    if labels["step"] is not None:
+        text += f", step={labels['step']}"
     if chunk is not None:
         text += f", chunk={chunk}"
     return text + ")"
