@@ -41,7 +41,8 @@ from course_lib import collectives, traffic
 from course_lib.training import sharding
 from course_lib.training.toy import progress_bar
 
-__all__ = ["TrainingLog", "flat_parameters", "broadcast_parameters", "average_gradients",
+__all__ = ["TrainingLog", "flat_parameters", "flat_gradient", "set_flat_gradient", "broadcast_parameters",
+           "average_gradients",
            "train_data_parallel", "train_single_process", "take_batch"]
 
 
@@ -105,6 +106,19 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
+def flat_gradient(model: nn.Module) -> torch.Tensor:
+    """All of the model's gradients in one 1-D tensor (zeros for a parameter without a gradient)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+
+
+def set_flat_gradient(model: nn.Module, flat: torch.Tensor) -> None:
+    """The inverse of `flat_gradient`: cut `flat` back into every parameter's ``.grad`` (copies)."""
+    offset = 0
+    for p in model.parameters():
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
     """Copy rank `src`'s parameters and buffers into every rank's model, in place (step 0).
 
@@ -136,19 +150,13 @@ def average_gradients(model: nn.Module, count: int, loss_sum: float, allreduce: 
     Returns:
         (total_count, global_mean_loss) over all ranks.
     """
-    params = list(model.parameters())
-    dtype, device = params[0].dtype, params[0].device
-    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) * count for p in params]
-    pieces.append(torch.tensor([loss_sum, count], dtype=dtype, device=device))
-    buffer = torch.cat(pieces)
+    gradient = flat_gradient(model)
+    # The loss sum and sample count ride along at the end of the same buffer: one all-reduce.
+    buffer = torch.cat([gradient * count, gradient.new_tensor([loss_sum, count])])
     reduce_in_place = allreduce_variants.get(allreduce) if isinstance(allreduce, str) else allreduce
     reduce_in_place(buffer, "sum")
     total_count, total_loss = buffer[-1].item(), buffer[-2].item()
-    buffer = buffer[:-2] / total_count
-    offset = 0
-    for p in params:
-        p.grad = buffer[offset:offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
+    set_flat_gradient(model, buffer[:-2] / total_count)
     return int(round(total_count)), total_loss / total_count
 
 
@@ -158,18 +166,26 @@ def take_batch(dataset, indices: list[int], device: torch.device):
     `dataset` is a pair of tensors (inputs, targets) with the samples along dimension 0, a
     `torch.utils.data.TensorDataset`, or any map-style dataset whose items are (input, target).
     """
-    tensors = getattr(dataset, "tensors", dataset)
-    index = torch.tensor(indices, dtype=torch.long)
-    if isinstance(tensors, (tuple, list)) and len(tensors) == 2 and all(isinstance(t, torch.Tensor) for t in tensors):
+    tensors = _tensor_pair(dataset)
+    if tensors is not None:
+        index = torch.tensor(indices, dtype=torch.long)
         inputs, targets = tensors[0][index], tensors[1][index]
     else:
         inputs, targets = torch.utils.data.default_collate([dataset[i] for i in indices])
     return inputs.to(device), targets.to(device)
 
 
-def _dataset_len(dataset) -> int:
+def _tensor_pair(dataset):
+    """(inputs, targets) when `dataset` is a pair of tensors or a TensorDataset of two, else None."""
     tensors = getattr(dataset, "tensors", dataset)
     if isinstance(tensors, (tuple, list)) and len(tensors) == 2 and all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors
+    return None
+
+
+def _dataset_len(dataset) -> int:
+    tensors = _tensor_pair(dataset)
+    if tensors is not None:
         if len(tensors[0]) != len(tensors[1]):
             raise ValueError(f"inputs and targets must hold the same number of samples, got {len(tensors[0])} "
                              f"and {len(tensors[1])}")

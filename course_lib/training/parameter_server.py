@@ -43,7 +43,8 @@ from torch import nn
 
 from course_lib import p2p
 from course_lib.training import sharding
-from course_lib.training.data_parallel import _check_model, _dataset_len, _local_loss, take_batch
+from course_lib.training.data_parallel import (_check_model, _dataset_len, _local_loss, flat_gradient,
+                                                 set_flat_gradient, take_batch)
 
 __all__ = ["ServerLog", "WorkerLog", "train_parameter_server", "simulate_stale_sgd"]
 
@@ -103,10 +104,6 @@ class WorkerLog:
     accepted: int = 0
     rejected: int = 0
     waited: float = 0.0
-
-
-def _flat_grad(model) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
 
 
 def _load_flat(model, flat: torch.Tensor) -> None:
@@ -193,7 +190,7 @@ def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
             model.zero_grad()
             loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))
             loss.backward()
-            push[:-_PUSH_EXTRA] = _flat_grad(model)
+            push[:-_PUSH_EXTRA] = flat_gradient(model)
             push[-_PUSH_EXTRA:] = torch.tensor([version, loss.item() * len(batch), len(batch)])
             start = time.perf_counter()
             p2p.send(push, 0, tag=PUSH_TAG)
@@ -244,10 +241,7 @@ def _serve(model, optimizer, dataset, loss_fn, workers, rounds, mode, max_stalen
     def apply(gradient, staleness, worker, batch_loss):
         nonlocal version
         optimizer.zero_grad()
-        offset = 0
-        for p in model.parameters():
-            p.grad = gradient[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        set_flat_gradient(model, gradient)
         optimizer.step()
         version += 1
         log.staleness.append(staleness)
@@ -326,7 +320,7 @@ def simulate_stale_sgd(model: nn.Module, dataset, loss_fn: Callable, *, lr: floa
         _load_flat(model, history[0])                     # the parameters the gradient is computed on
         model.zero_grad()
         _local_loss(model, loss_fn, *take_batch(dataset, order[t * batch_size:(t + 1) * batch_size], device)).backward()
-        current = current - lr * _flat_grad(model)
+        current = current - lr * flat_gradient(model)
         history.append(current.clone())
         _load_flat(model, current)
         losses.append(_full_loss(model, dataset, loss_fn, device))
