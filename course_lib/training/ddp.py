@@ -47,16 +47,20 @@ class CommHookState:
 
     Attributes:
         allreduce: the course_lib all-reduce variant to use ('ring', 'naive', 'parameter_server').
-        bucket_sizes: the number of gradient elements of every bucket the hook averaged, in order
-            (filled in by the hook: it shows how DDP cut the gradients into buckets).
-        buckets_per_step: the same sizes grouped by training step (DDP marks each step's last
-            bucket). DDP rebuilds its buckets after the first step, so step 0 may differ.
+        buckets_per_step: the number of gradient elements of every bucket the hook averaged,
+            grouped by training step (filled in by the hook: it shows how DDP cut the gradients into
+            buckets; DDP marks each step's last bucket, and rebuilds its buckets after the first
+            step, so step 0 may differ).
+        bucket_sizes: (read-only) the same sizes in one list, in order.
     """
 
     allreduce: str = "ring"
-    bucket_sizes: list = field(default_factory=list)
     buckets_per_step: list = field(default_factory=list)
     _step_finished: bool = field(default=True, repr=False)
+
+    @property
+    def bucket_sizes(self) -> list:
+        return [size for step in self.buckets_per_step for size in step]
 
 
 # No `from __future__ import annotations` in this module: DDP checks the hook's annotations at
@@ -69,7 +73,6 @@ def allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     Our all-reduce blocks until it is done, so the returned Future is already complete.
     """
     buffer = bucket.buffer()
-    state.bucket_sizes.append(buffer.numel())
     if state._step_finished:
         state.buckets_per_step.append([])
     state.buckets_per_step[-1].append(buffer.numel())
