@@ -114,7 +114,7 @@ def format_bytes(nbytes: int) -> str:
         if nbytes >= scale:
             value = nbytes / scale
             return f"{value:g} {unit}" if value == int(value) else f"{value:.3g} {unit}"
-    return f"{nbytes} B"
+    return f"{nbytes:.4g} B"  # below 1 KiB: whole numbers print as they are, a fraction to 4 digits
 
 
 def _format_seconds(seconds: float) -> str:

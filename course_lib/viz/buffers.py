@@ -34,6 +34,8 @@ import string
 
 import torch
 
+from course_lib.allreduce import chunk_sizes
+
 __all__ = [
     "rank_name", "rank_names", "rank_color", "rank_hatch", "provenance_label",
     "tag", "tagged_tensor", "decode_tag", "decode_chunks",
@@ -388,7 +390,7 @@ def draw_chunks(tensors, world_size: int, *, title: str | None = None, show_valu
         texts.append([_cell_text(ranks, world_size, None, float(piece[0]) if piece.numel() else None, show_values)
                       for ranks, piece in zip(provenance, pieces)])
     if column_labels is None:
-        sizes = [len(piece) for piece in torch.tensor_split(torch.as_tensor(tensors[0]).reshape(-1), world_size)]
+        sizes = chunk_sizes(torch.as_tensor(tensors[0]).numel(), world_size)
         column_labels = [f"chunk {c}\n({n} el.)" for c, n in enumerate(sizes)]
     own_figure = ax is None
     with _style():

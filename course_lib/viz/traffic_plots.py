@@ -31,6 +31,7 @@ from typing import Callable, Mapping, Sequence
 import matplotlib.pyplot as plt
 
 from course_lib.allreduce import chunk_sizes
+from course_lib.bench import format_bytes
 
 __all__ = [
     "FORMULAS",
@@ -518,13 +519,13 @@ def plot_cost_model(world_size: int, alpha: float, beta: float, variants: Sequen
             n = cost.crossover_bytes(_variant(a), _variant(b), world_size, alpha, beta)
             if math.isfinite(n) and sizes[0] <= n <= sizes[-1]:
                 ax.axvline(n, color="black", linestyle=":", linewidth=1.0, label=f"crossover {_variant(a)} / {_variant(b)}")
-                ax.annotate(f"crossover\n{_human_bytes(n)}", (n, 1.0), xycoords=ax.get_xaxis_transform(),
+                ax.annotate(f"crossover\n{format_bytes(n)}", (n, 1.0), xycoords=ax.get_xaxis_transform(),
                             xytext=(3, -3), textcoords="offset points", va="top", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     low, high = math.ceil(math.log2(sizes[0])), math.floor(math.log2(sizes[-1]))
     ticks = [2.0 ** k for k in range(low, high + 1, max(1, (high - low) // 6))]
-    ax.set_xticks(ticks, [_human_bytes(t) for t in ticks], fontsize=8)
+    ax.set_xticks(ticks, [format_bytes(t) for t in ticks], fontsize=8)
     ax.grid(True, which="major", axis="both", color="0.88", linewidth=0.7)
     ax.set_xlabel("bytes per rank (log scale)")
     ax.set_ylabel("seconds per all-reduce (log scale)")
@@ -535,10 +536,3 @@ def plot_cost_model(world_size: int, alpha: float, beta: float, variants: Sequen
     ax.set_title(title or f"alpha-beta model, G = {world_size}: alpha = {alpha * 1e6:.3g} us, 1/beta = {bandwidth}",
                  fontsize=10)
     return fig
-
-
-def _human_bytes(n: float) -> str:
-    for factor, suffix in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
-        if n >= factor:
-            return f"{n / factor:.3g} {suffix}"
-    return f"{n:.3g} B"
