@@ -58,6 +58,19 @@ def _check_list(call, name, items, like, world_size):
                              f"has {like.numel()} of {like.dtype}; every entry must match it.")
 
 
+def _root_list_check(call, name, items, like, root_name, root, rank, world_size):
+    """The local check of a rooted collective's list: G tensors like `like` on the root, None elsewhere."""
+
+    def local():
+        if rank == root:
+            _check_list(call, name, items, like, world_size)
+        elif items is not None:
+            raise ValueError(f"{call}: {name} must be None on ranks other than {root_name}={root} "
+                             f"(rank {rank} passed one).")
+
+    return local
+
+
 def _recv_into(tensor, src, chunk=None):
     """Receive into `tensor`, through a contiguous buffer if `tensor` is a strided view."""
     if tensor.is_contiguous():
@@ -102,12 +115,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     _only_default_group("scatter", group, async_op)
     rank, world_size = _rank_and_size()
 
-    def local():
-        if rank == src:
-            _check_list("scatter", "scatter_list", scatter_list, tensor, world_size)
-        elif scatter_list is not None:
-            raise ValueError(f"scatter: scatter_list must be None on ranks other than src={src} (rank {rank} passed one).")
-
+    local = _root_list_check("scatter", "scatter_list", scatter_list, tensor, "src", src, rank, world_size)
     _checks.prepare("scatter", tensor, root=src, local=local)
     with traffic.phase("scatter"):
         if rank == src:
@@ -130,12 +138,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
     _only_default_group("gather", group, async_op)
     rank, world_size = _rank_and_size()
 
-    def local():
-        if rank == dst:
-            _check_list("gather", "gather_list", gather_list, tensor, world_size)
-        elif gather_list is not None:
-            raise ValueError(f"gather: gather_list must be None on ranks other than dst={dst} (rank {rank} passed one).")
-
+    local = _root_list_check("gather", "gather_list", gather_list, tensor, "dst", dst, rank, world_size)
     _checks.prepare("gather", tensor, root=dst, local=local)
     with traffic.phase("gather"):
         if rank == dst:
