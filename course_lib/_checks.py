@@ -10,19 +10,35 @@ clear error if they disagree.
 This guard is not part of the algorithms being taught: it uses the built-in `all_gather` on one
 small int64 tensor and is not counted by `course_lib.traffic`. `unchecked()` switches it off (the
 benchmarks do, so they time only the algorithm); a rank's own bad argument is still reported.
+
+`prepare` is where every collective and all-reduce variant starts, so it is also where a call waits
+for this rank's queued async collectives (`_work.drain`): the ranks then run their collectives in
+the order they called them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import zlib
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MismatchError", "agree", "unchecked", "dtype_code", "metadata_device"]
+from course_lib import _rankstate, _work
 
-_enabled = True
+__all__ = ["MismatchError", "agree", "prepare", "unchecked", "checking", "dtype_code", "metadata_device"]
+
+
+class _PerThread(threading.local):
+    """Whether the cross-rank check runs, per thread: an async collective runs on the rank's worker
+    thread with the setting its caller had when it queued it (see `checking`), whatever the caller
+    does next. (A class attribute as the default: reading it costs no exception.)"""
+
+    enabled = True
+
+
+_state = _PerThread()
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -32,15 +48,24 @@ class MismatchError(ValueError):
     """The ranks called the same collective with arguments that do not fit together."""
 
 
+def is_checking() -> bool:
+    """Is the cross-rank agreement on in this thread? (It is unless `unchecked()` turned it off.)"""
+    return _state.enabled
+
+
 @contextlib.contextmanager
-def unchecked():
-    """Skip the cross-rank agreement inside the block (benchmarks); local checks still run."""
-    global _enabled
-    saved, _enabled = _enabled, False
+def checking(enabled: bool):
+    """Turn the cross-rank agreement on or off in this thread inside the block."""
+    saved, _state.enabled = is_checking(), enabled
     try:
         yield
     finally:
-        _enabled = saved
+        _state.enabled = saved
+
+
+def unchecked():
+    """Skip the cross-rank agreement inside the block (benchmarks); local checks still run."""
+    return checking(False)
 
 
 def dtype_code(dtype) -> int:
@@ -111,7 +136,7 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
     Returns:
         Every rank's fields, index = rank (empty when the check is switched off).
     """
-    if not _enabled:
+    if not is_checking():
         if problem is not None:
             raise problem
         return []
@@ -123,7 +148,13 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
     values += [0] * (_row_width(world_size) - len(values))
     row = torch.tensor(values, dtype=torch.int64, device=device or torch.device("cpu"))
     rows = [torch.empty_like(row) for _ in range(world_size)]
-    dist.all_gather(rows, row)
+    if _rankstate.is_active():  # so a launch that times out here can say which call never came
+        _rankstate.set_blocked(f"{call}'s argument check (a torch.distributed.all_gather of every rank's "
+                               f"arguments), which waits until every rank has called {call}")
+    try:
+        dist.all_gather(rows, row)
+    finally:
+        _rankstate.clear()
     rows = [r.tolist() for r in rows]
     if problem is not None:
         raise problem
@@ -150,8 +181,10 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
 NO_OP = object()  # what `prepare` gets from a collective that takes no reduce op
 
 
-def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "dtype", "op", "root")):
-    """Check one rank's arguments, agree on them with every other rank, and return the op's name.
+def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "dtype", "op", "root"),
+            root_name=None):
+    """Wait for queued async collectives, check one rank's arguments, agree on them with every other
+    rank, and return the op's name.
 
     Args:
         call: the function's name, for messages ('all_reduce', 'allreduce.ring', ...).
@@ -159,15 +192,19 @@ def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "
         op: the reduce op; leave it out for collectives without one (an op of None is an error:
             it would otherwise only fail halfway through the algorithm, or not at all on one rank).
         root: src/dst for rooted collectives, or None.
-        local: optional function raising TypeError/ValueError for further local problems.
+        local: optional function raising TypeError/ValueError (or NotImplementedError) for further
+            local problems.
         same: the fields that must agree across ranks.
+        root_name: the root argument's name ('src', 'dst') when the call must have one: then a root
+            of None is an error too (a receive from "anyone" would wait forever).
 
     Raises:
-        TypeError / ValueError on the rank whose own argument is wrong; MismatchError on every other
-        rank (and on every rank when the ranks disagree with each other).
+        TypeError / ValueError / NotImplementedError on the rank whose own argument is wrong;
+        MismatchError on every other rank (and on every rank when the ranks disagree with each other).
     """
     from course_lib import ops  # ops is tiny and imports nothing of ours
 
+    _work.drain()  # this call runs after the async collectives this rank queued before it
     problem = None
     try:
         try:
@@ -181,12 +218,21 @@ def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "
         if why:
             raise TypeError(f"{call}: {why}")
         world_size = dist.get_world_size()
+        if root is None and root_name is not None:
+            raise ValueError(f"{call}: {root_name}=None, but {call} needs to know which rank "
+                             f"{'holds the data' if root_name == 'src' else 'receives the result'}: pass "
+                             f"{root_name}=<a rank from 0 to {world_size - 1}>, e.g. {call}(tensor, {root_name}=0). "
+                             f"(torch.distributed.{call} refuses a missing {root_name} too.)")
+        if root is not None and not isinstance(root, int) and hasattr(root, "__index__"):  # numpy.int64, ...
+            raise ValueError(f"{call}: {root_name or 'root'}={root!r} is a {type(root).__name__}; pass the rank as a "
+                             f"Python int, e.g. {root_name or 'root'}=int(...).")
         if root is not None and (isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size):
-            raise ValueError(f"{call}: rank {root!r} is not in the group; the ranks are 0..{world_size - 1} "
+            named = f"{root_name}={root!r}: " if root_name else ""
+            raise ValueError(f"{call}: {named}rank {root!r} is not in the group; the ranks are 0..{world_size - 1} "
                              f"(world_size={world_size}).")
         if local is not None:
             local()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NotImplementedError) as exc:
         problem = exc
     is_tensor = isinstance(tensor, torch.Tensor)
     fields = {"numel": tensor.numel() if is_tensor else -1,

@@ -6,6 +6,10 @@ point-to-point wrappers in `course_lib.p2p` write one line into it before every 
 parent reads every rank's line and can say who was waiting for whom: that is how a deadlock gets
 explained instead of just killed.
 
+A second, shorter line after it holds the rank's progress ("epoch 3/10"), set by
+`course_lib.progress` inside the rank; while a launch runs in a notebook, the launcher shows both
+lines live (`course_lib.live`).
+
 Outside a launched rank (plain Python, torchrun) nothing is set up and every call here is a no-op.
 """
 
@@ -14,7 +18,9 @@ from __future__ import annotations
 import mmap
 import os
 
-SLOT_BYTES = 512
+SLOT_BYTES = 512       # the blocked-call line
+PROGRESS_BYTES = 256   # the progress line, right after it
+_FILE_BYTES = SLOT_BYTES + PROGRESS_BYTES
 
 _slot: mmap.mmap | None = None
 
@@ -22,7 +28,7 @@ _slot: mmap.mmap | None = None
 def create_slot_file(path: str) -> None:
     """Make the zero-filled file a rank will map (called by the launcher, before the rank starts)."""
     with open(path, "wb") as f:
-        f.write(b"\0" * SLOT_BYTES)
+        f.write(b"\0" * _FILE_BYTES)
 
 
 def attach(path: str) -> None:
@@ -30,7 +36,7 @@ def attach(path: str) -> None:
     global _slot
     fd = os.open(path, os.O_RDWR)
     try:
-        _slot = mmap.mmap(fd, SLOT_BYTES)
+        _slot = mmap.mmap(fd, _FILE_BYTES)
     finally:
         os.close(fd)
 
@@ -64,6 +70,25 @@ def read_slot_file(path: str) -> str:
     try:
         with open(path, "rb") as f:
             raw = f.read(SLOT_BYTES)
+    except OSError:
+        return ""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def set_progress(text: str) -> None:
+    """Record how far this rank's own loop has got, e.g. "epoch 3/10" ('' clears it; no-op outside a launch)."""
+    if _slot is None:
+        return
+    data = text.encode("utf-8", "replace")[: PROGRESS_BYTES - 1]
+    _slot[SLOT_BYTES: SLOT_BYTES + len(data) + 1] = data + b"\0"
+
+
+def read_progress(path: str) -> str:
+    """The progress line a rank last set, or ''."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(SLOT_BYTES)
+            raw = f.read(PROGRESS_BYTES)
     except OSError:
         return ""
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")

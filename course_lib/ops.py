@@ -3,9 +3,13 @@
     SUM      a + b            AVG      (a_0 + ... + a_{G-1}) / G, floating dtypes only
     PRODUCT  a * b            MAX/MIN  elementwise max(a, b) / min(a, b)
 
-`torch.distributed.ReduceOp.SUM` and friends are accepted, and so are the strings "sum", "avg", ...
-AVG is a SUM whose result is divided by the world size once at the end, which is why it needs a
-dtype that can hold a fraction: torch refuses AVG on integer tensors, and so do we.
+`torch.distributed.ReduceOp.SUM` and friends are accepted, so are ReduceOp objects such as
+``ReduceOp(ReduceOp.SUM)``, and so are the strings "sum", "avg", ... AVG is a SUM whose result is
+divided by the world size once at the end, which is why it needs a dtype that can hold a fraction:
+torch refuses AVG on integer tensors, and so do we.
+
+Deliberately left out: torch's bitwise BAND, BOR, BXOR and NCCL's PREMUL_SUM (they teach nothing
+about combining gradients), and SUM on bool tensors (see `check_dtype`).
 """
 
 from __future__ import annotations
@@ -23,18 +27,31 @@ _FROM_TORCH = {dist.ReduceOp.SUM: SUM, dist.ReduceOp.AVG: AVG, dist.ReduceOp.PRO
                dist.ReduceOp.MAX: MAX, dist.ReduceOp.MIN: MIN}
 
 
+_SUPPORTED = (f"use one of torch.distributed.ReduceOp.{', ReduceOp.'.join(OPS)} "
+              f"(or the strings {', '.join(repr(o.lower()) for o in OPS)})")
+
+
 def normalize(op) -> str:
     """The name ('SUM', 'AVG', ...) of a reduce op given as a torch ReduceOp or a string."""
     if isinstance(op, str) and op.upper() in OPS:
         return op.upper()
+    kind = op
+    if not isinstance(op, dist.ReduceOp.RedOpType) and isinstance(op, dist.ReduceOp):
+        kind = op.op  # a ReduceOp object, e.g. ReduceOp(ReduceOp.SUM), wraps the RedOpType ReduceOp.SUM
     try:
-        name = _FROM_TORCH.get(op)
+        name = _FROM_TORCH.get(kind)
     except TypeError:  # unhashable
         name = None
-    if name is None:
-        raise ValueError(f"unsupported reduce op {op!r}: use one of torch.distributed.ReduceOp."
-                         f"{', ReduceOp.'.join(OPS)} (or the strings {', '.join(o.lower() for o in OPS)}).")
-    return name
+    if name is not None:
+        return name
+    if isinstance(kind, dist.ReduceOp.RedOpType):  # a real torch op that course_lib leaves out
+        shown = f"ReduceOp.{kind.name}"
+        instead = ("multiply your tensor by the factor yourself, then reduce with SUM"
+                   if kind == dist.ReduceOp.PREMUL_SUM else
+                   f"call torch.distributed's own collective, e.g. torch.distributed.all_reduce(tensor, op={shown})")
+        raise ValueError(f"unsupported reduce op {shown}: course_lib deliberately implements only the reductions "
+                         f"that combine gradients; {_SUPPORTED}. For {shown}, {instead}.")
+    raise ValueError(f"unsupported reduce op {op!r}: {_SUPPORTED}.")
 
 
 def check_dtype(op: str, dtype: torch.dtype) -> str | None:
@@ -44,8 +61,12 @@ def check_dtype(op: str, dtype: torch.dtype) -> str | None:
                 "floating dtype first (tensor.float()), or reduce with SUM and divide yourself.")
     if op in (MAX, MIN) and dtype.is_complex:
         return f"{op} is not defined for complex numbers ({dtype}): they have no order."
-    if dtype == torch.bool and op in (SUM, AVG):
-        return f"{op} of a bool tensor is ambiguous: use MAX (logical or), MIN (logical and), or convert to int."
+    if dtype == torch.bool and op == AVG:
+        return "AVG of a bool tensor is a fraction: convert it to a floating dtype first (tensor.float())."
+    if dtype == torch.bool and op == SUM:
+        return ("SUM of a bool tensor is ambiguous: torch.distributed accepts it and leaves byte sums such as 2 "
+                "or 3 in the bool tensor, which course_lib deliberately refuses. Use MAX (logical or), "
+                "MIN (logical and), or convert to int (tensor.int()) to count.")
     return None
 
 

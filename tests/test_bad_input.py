@@ -171,6 +171,56 @@ def _cases(G):
         lambda rank, G: collectives.all_to_all([t(dtype=torch.float64)] * G, [t()] * G),
         everyone("TypeError", "same dtype", "torch.float32", "torch.float64"))
 
+    # --- a missing root, or a root given twice: at once, never a receive from "anyone" ---------------
+    cases["broadcast src=None"] = (lambda rank, G: collectives.broadcast(t(), src=None),
+                                   everyone("ValueError", "broadcast: src=None", "which rank holds the data"))
+    cases["broadcast with no src at all"] = (lambda rank, G: collectives.broadcast(t()),
+                                             everyone("ValueError", "broadcast: src=None"))
+    cases["reduce dst=None"] = (lambda rank, G: collectives.reduce(t(), dst=None),
+                                everyone("ValueError", "reduce: dst=None", "receives the result"))
+    cases[f"broadcast src=None on rank {bad_rank} only"] = (
+        lambda rank, G: collectives.broadcast(t(), src=None if rank == bad_rank else 0),
+        only_bad_rank("ValueError", "broadcast: src=None"))
+    cases["reduce dst=torch.tensor(0)"] = (lambda rank, G: collectives.reduce(t(), dst=torch.tensor(0)),
+                                           everyone("ValueError", "reduce: dst=tensor(0) is a Tensor", "Python int"))
+    cases["broadcast src and group_src"] = (lambda rank, G: collectives.broadcast(t(), src=0, group_src=0),
+                                            everyone("ValueError", "pass src or group_src, not both"))
+    cases["gather dst and group_dst on one rank"] = (
+        lambda rank, G: collectives.gather(t(), [t()] * G if rank == 0 else None, dst=0,
+                                           group_dst=0 if rank == bad_rank else None),
+        only_bad_rank("ValueError", "pass dst or group_dst, not both"))
+    cases["scatter_list on a rank other than src"] = (
+        lambda rank, G: collectives.scatter(t(), [t()] * G if rank in (0, bad_rank) else [], src=0),
+        only_bad_rank("ValueError", "scatter_list must be None or [] on ranks other than src=0"))
+
+    # --- what course_lib deliberately leaves out: the error says so, and what to use -------------
+    cases["all_reduce op=BAND"] = (lambda rank, G: collectives.all_reduce(t(dtype=torch.int64), op=dist.ReduceOp.BAND),
+                                   everyone("ValueError", "unsupported reduce op ReduceOp.BAND", "deliberately",
+                                            "torch.distributed.all_reduce(tensor, op=ReduceOp.BAND)"))
+    cases["reduce_scatter op=BOR"] = (
+        lambda rank, G: collectives.reduce_scatter(t(dtype=torch.int64), [t(dtype=torch.int64)] * G,
+                                                   op=dist.ReduceOp(dist.ReduceOp.BOR)),
+        everyone("ValueError", "unsupported reduce op ReduceOp.BOR", "deliberately"))
+    cases["all_reduce PREMUL_SUM"] = (lambda rank, G: collectives.all_reduce(t(), op=dist._make_nccl_premul_sum(2.0)),
+                                      everyone("ValueError", "ReduceOp.PREMUL_SUM", "deliberately", "then reduce with SUM"))
+    cases["all_reduce SUM on bool"] = (lambda rank, G: collectives.all_reduce(t(dtype=torch.bool), op="sum"),
+                                       everyone("TypeError", "bool", "deliberately refuses", "MAX (logical or)"))
+
+    # --- async_op=True: the same errors, from wait(), on every rank --------------------------------
+    cases[f"async all_reduce, rank {bad_rank} has {N + 1} elements"] = (
+        lambda rank, G: collectives.all_reduce(t(N + (rank == bad_rank)), async_op=True).wait(),
+        everyone("MismatchError", "disagree about numel"))
+    cases["async broadcast src=None"] = (lambda rank, G: collectives.broadcast(t(), src=None, async_op=True).wait(),
+                                         everyone("ValueError", "broadcast: src=None"))
+    cases[f"async reduce AVG on int64 on rank {bad_rank} only"] = (
+        lambda rank, G: collectives.reduce(t(dtype=torch.int64), dst=0, op="AVG" if rank == bad_rank else "SUM",
+                                           async_op=True).wait(),
+        only_bad_rank("TypeError", "AVG", "torch.int64"))
+    cases[f"all_to_all async on rank {bad_rank} only, a piece of the wrong size"] = (
+        lambda rank, G: (lambda w: w and w.wait())(collectives.all_to_all(
+            [t() for j in range(G)], [t(N + (rank == 1 and j == 0)) for j in range(G)], async_op=rank == bad_rank)),
+        everyone("MismatchError", f"rank 1's input_tensor_list[0] has {N + 1} elements"))
+
     # --- the agreement check off: a rank's own mistake is still reported -------------------------
     cases["unchecked(): a list on every rank"] = (
         lambda rank, G: _unchecked(lambda: allreduce.ring([1.0, 2.0])),
