@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 import course_lib
-from conftest import run
+from conftest import ring_elements_sent, run
 from course_lib import allreduce, traffic, training
 from course_lib.training import sharding, toy
 
@@ -157,16 +157,6 @@ def test_uneven_shards_equal_one_process_with_the_full_batch(world_size, variant
 # --------------------------------------------------------------------------------------------------
 
 
-def _ring_traffic(bucket_sizes, rank, world_size):
-    """Elements rank `rank` sends in ring all-reduces of these buckets: every chunk but two, twice."""
-    total = 0
-    for numel in bucket_sizes:
-        sizes = allreduce.chunk_sizes(numel, world_size)
-        skipped = sizes[(rank + 1) % world_size] + sizes[(rank + 2) % world_size] if world_size > 1 else 2 * numel
-        total += 2 * numel - skipped
-    return total
-
-
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_ddp_comm_hook_with_course_lib_ring_gives_ddps_result(world_size):
     builtin = run(_torch_ddp, world_size, None, 0.001, 1)
@@ -177,7 +167,7 @@ def test_ddp_comm_hook_with_course_lib_ring_gives_ddps_result(world_size):
     for log, state, recording in hooked:
         # A 1 KB bucket cap cuts the gradients into several buckets, each reduced by the ring.
         assert len(state.bucket_sizes) > steps and sum(state.bucket_sizes) == steps * n_params
-        assert recording.elements_sent == _ring_traffic(state.bucket_sizes, log.rank, world_size)
+        assert recording.elements_sent == ring_elements_sent(state.bucket_sizes, log.rank, world_size)
         assert torch.equal(log.parameters[-1], hooked[0][0].parameters[-1])
     assert all(recording.elements_sent == 0 for _, _, recording in builtin)  # DDP's own all-reduce: untraced
 

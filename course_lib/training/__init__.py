@@ -3,6 +3,8 @@
     sharding          which samples each rank trains on (DistributedSampler's rule, written out)
     data_parallel     train_data_parallel: broadcast, shard, forward/backward, all-reduce, step;
                       train_single_process: the one-process reference it must match
+    buckets           gradient buckets all-reduced during backward (overlap=True), and their timeline
+    zero              ShardedOptimizer: ZeRO-1, each rank keeps 1/G of the optimizer state
     ddp               train_ddp: PyTorch's DistributedDataParallel in its five steps;
                       allreduce_hook: course_lib's ring as DDP's communication hook
     parameter_server  train_parameter_server: sync or async, with measured staleness;
@@ -14,25 +16,30 @@ Every `train_*` function runs inside a rank (a function started by `course_lib.l
 except `train_single_process` and `simulate_stale_sgd`, which need no process group.
 """
 
-from course_lib.training import data_parallel, ddp, model_parallel, parameter_server, sharding, toy
+from course_lib.training import buckets, data_parallel, ddp, model_parallel, parameter_server, sharding, toy, zero
 from course_lib.training.data_parallel import (
     TrainingLog,
+    apply_reduced_gradient,
     average_gradients,
     broadcast_parameters,
     flat_parameters,
     train_data_parallel,
     train_single_process,
 )
+from course_lib.training.buckets import BucketTiming, GradientBuckets, StepTimeline, plan_buckets
 from course_lib.training.ddp import CommHookState, allreduce_hook, train_ddp
 from course_lib.training.model_parallel import PipelineLog, split_sequential, train_model_parallel
 from course_lib.training.parameter_server import ServerLog, WorkerLog, simulate_stale_sgd, train_parameter_server
 from course_lib.training.sharding import global_batches, shard_indices, split_batches, steps_per_epoch
 from course_lib.training.toy import make_mlp, make_regression, make_spirals, progress_bar
+from course_lib.training.zero import ShardedOptimizer, optimizer_state_bytes
 
 __all__ = [
-    "sharding", "data_parallel", "ddp", "parameter_server", "model_parallel", "toy",
-    "TrainingLog", "flat_parameters", "broadcast_parameters", "average_gradients",
+    "sharding", "data_parallel", "buckets", "zero", "ddp", "parameter_server", "model_parallel", "toy",
+    "TrainingLog", "flat_parameters", "broadcast_parameters", "average_gradients", "apply_reduced_gradient",
     "train_data_parallel", "train_single_process",
+    "BucketTiming", "StepTimeline", "GradientBuckets", "plan_buckets",
+    "ShardedOptimizer", "optimizer_state_bytes",
     "CommHookState", "allreduce_hook", "train_ddp",
     "ServerLog", "WorkerLog", "train_parameter_server", "simulate_stale_sgd",
     "PipelineLog", "split_sequential", "train_model_parallel",

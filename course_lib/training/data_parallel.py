@@ -29,6 +29,7 @@ Use inside a function started by `course_lib.launch` (or torchrun)::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,10 +40,11 @@ from torch import nn
 from course_lib import allreduce as allreduce_variants
 from course_lib import collectives, traffic
 from course_lib.training import sharding
+from course_lib.training.buckets import MIB, BucketTiming, GradientBuckets, StepTimeline
 from course_lib.training.toy import progress_bar
 
 __all__ = ["TrainingLog", "flat_parameters", "flat_gradient", "set_flat_gradient", "broadcast_parameters",
-           "average_gradients",
+           "average_gradients", "apply_reduced_gradient",
            "train_data_parallel", "train_single_process", "take_batch"]
 
 
@@ -59,6 +61,8 @@ class TrainingLog:
         parameters: per step, a flat CPU copy of all parameters after the update
             (only with ``record_parameters=True``; the initial parameters come first).
         bytes_sent: bytes this rank sent for gradient averaging (counted by course_lib.traffic).
+        timeline: per step, a `StepTimeline` (forward, backward, optimizer and total seconds, and when
+            each gradient bucket's all-reduce ran and what it sent); filled by `train_data_parallel`.
     """
 
     rank: int = 0
@@ -69,12 +73,18 @@ class TrainingLog:
     epoch_losses: list = field(default_factory=list)
     parameters: list = field(default_factory=list)
     bytes_sent: int = 0
+    timeline: list = field(default_factory=list)
     _epoch_loss: float = field(default=0.0, repr=False)  # running sums of the epoch in progress
     _epoch_samples: int = field(default=0, repr=False)
 
     @property
     def final_parameters(self) -> torch.Tensor:
         return self.parameters[-1]
+
+    @property
+    def step_times(self) -> list:
+        """Seconds per step (zero_grad to the end of optimizer.step), from `timeline`."""
+        return [t.total for t in self.timeline]
 
     def record_step(self, mean_loss: float, samples: int, local_samples: int, model: nn.Module | None = None):
         """Log one optimizer step: the global batch's mean loss and size, this rank's share of it,
@@ -101,14 +111,18 @@ class TrainingLog:
 # --------------------------------------------------------------------------------------------------
 
 
+def _parameters_of(model) -> list:
+    return list(model.parameters()) if isinstance(model, nn.Module) else list(model)
+
+
 def flat_parameters(model: nn.Module) -> torch.Tensor:
-    """All of the model's parameters, concatenated into one 1-D CPU tensor (a copy)."""
-    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    """All of the model's parameters (or of a list of parameters), concatenated into one 1-D CPU tensor (a copy)."""
+    return torch.cat([p.detach().reshape(-1).cpu() for p in _parameters_of(model)])
 
 
 def flat_gradient(model: nn.Module) -> torch.Tensor:
-    """All of the model's gradients in one 1-D tensor (zeros for a parameter without a gradient)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+    """All of the model's (or a list of parameters') gradients in one 1-D tensor (zeros where there is none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in _parameters_of(model)])
 
 
 def set_flat_gradient(model: nn.Module, flat: torch.Tensor) -> None:
@@ -153,11 +167,30 @@ def average_gradients(model: nn.Module, count: int, loss_sum: float, allreduce: 
     gradient = flat_gradient(model)
     # The loss sum and sample count ride along at the end of the same buffer: one all-reduce.
     buffer = torch.cat([gradient * count, gradient.new_tensor([loss_sum, count])])
-    reduce_in_place = allreduce_variants.get(allreduce) if isinstance(allreduce, str) else allreduce
-    reduce_in_place(buffer, "sum")
+    _allreduce_function(allreduce)(buffer, "sum")
+    return apply_reduced_gradient(model, buffer)
+
+
+def apply_reduced_gradient(model: nn.Module, buffer: torch.Tensor):
+    """Finish step 3 from the all-reduced ``[sum_r count_r grad_r | sum_r loss_r | total]`` buffer.
+
+    Sets every ``.grad`` to the global batch's gradient (the sum divided by the total sample count).
+
+    Returns:
+        (total_count, global_mean_loss).
+    """
     total_count, total_loss = buffer[-1].item(), buffer[-2].item()
     set_flat_gradient(model, buffer[:-2] / total_count)
     return int(round(total_count)), total_loss / total_count
+
+
+def _allreduce_function(allreduce):
+    if isinstance(allreduce, str):
+        return allreduce_variants.get(allreduce)
+    if not callable(allreduce):
+        raise TypeError(f"allreduce must be a course_lib.allreduce variant's name or a function f(tensor, op), "
+                        f"got {type(allreduce).__name__}")
+    return allreduce
 
 
 def take_batch(dataset, indices: list[int], device: torch.device):
@@ -223,13 +256,15 @@ def _check_model(model):
 def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, loss_fn: Callable, *,
                         batch_size: int, epochs: int = 1, start_epoch: int = 0, max_steps: int | None = None,
                         shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True,
-                        allreduce: str | Callable = "ring", record_parameters: bool = False,
-                        progress: bool = False) -> TrainingLog:
+                        allreduce: str | Callable = "ring", bucket_mb: float | None = None, overlap: bool = False,
+                        record_parameters: bool = False, progress: bool = False) -> TrainingLog:
     """Train `model` data-parallel on this rank; call it on every rank of a launched group.
 
     Args:
         model: this rank's replica (any nn.Module). Rank 0's parameters are broadcast first.
-        optimizer: an optimizer over ``model.parameters()``, created the same way on every rank.
+        optimizer: an optimizer over ``model.parameters()``, created the same way on every rank; or a
+            `course_lib.training.zero.ShardedOptimizer`, which reduce-scatters the gradients, steps its
+            shard and all-gathers the parameters itself (ZeRO-1).
         dataset: (inputs, targets) tensors or a dataset of (input, target) pairs, the same on every rank.
         loss_fn: ``loss_fn(model(inputs), targets)`` -> mean loss over the batch.
         batch_size: samples per rank per step (the global batch is world_size times larger).
@@ -238,13 +273,28 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
         max_steps: stop after this many steps in total (None: run every epoch to the end).
         shuffle, seed, drop_last, pad: how the data is dealt out (see `sharding`).
         allreduce: the all-reduce that averages the gradients: a `course_lib.allreduce` name or a function.
+        bucket_mb: cut the gradients into buckets of this many MiB (DDP's ``bucket_cap_mb``; see
+            `course_lib.training.buckets`). None: one all-reduce of all gradients after backward (25
+            with ``overlap=True``); ``math.inf``: one bucket.
+        overlap: start each bucket's all-reduce during backward, as soon as its gradients are ready,
+            on a communication thread (see `course_lib.training.buckets`). False: after backward.
         record_parameters: keep a flat copy of the parameters after every step (for checks and plots).
         progress: rank 0 prints a progress line after every epoch.
 
     Returns:
-        A `TrainingLog`.
+        A `TrainingLog`; ``log.timeline`` holds every step's timings and its buckets' all-reduces.
+
+    Example::
+
+        log = train_data_parallel(model, optimizer, data, F.cross_entropy, batch_size=16,
+                                  overlap=True, bucket_mb=1)
+        log.step_times                       # seconds per step
+        log.timeline[-1].buckets[0].start    # when the last layers' all-reduce began, after backward began
     """
     _check_model(model)
+    sharded = callable(getattr(optimizer, "reduce_gradients", None))   # a zero.ShardedOptimizer
+    bucket_bytes = _bucket_bytes(bucket_mb, overlap, sharded)
+    reduce_in_place = _allreduce_function(allreduce)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     n = _dataset_len(dataset)
     device = next(model.parameters()).device
@@ -253,29 +303,87 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
     if record_parameters:
         log.parameters.append(flat_parameters(model))
     steps = sharding.steps_per_epoch(n, world_size, batch_size, drop_last=drop_last, pad=pad)
-    with traffic.record() as recording:
-        for epoch in range(start_epoch, start_epoch + epochs):
-            mine = sharding.shard_indices(n, rank, world_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                          drop_last=drop_last, pad=pad)                # step 1
-            batches = sharding.split_batches(mine, batch_size)
-            for step in range(steps):
-                if max_steps is not None and len(log.losses) >= max_steps:
-                    break
-                # With pad=False a rank can run out of samples one step before the others: it
-                # still joins the all-reduce, contributing zero samples and a zero gradient.
-                batch = batches[step] if step < len(batches) else []
-                optimizer.zero_grad()
-                loss_sum = 0.0
-                if batch:
-                    loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))  # step 2
-                    loss.backward()
-                    loss_sum = loss.item() * len(batch)
-                total, global_loss = average_gradients(model, len(batch), loss_sum, allreduce)  # step 3
-                optimizer.step()                                                            # step 4
-                log.record_step(global_loss, total, len(batch), model if record_parameters else None)
-            log.end_epoch(epoch, epoch - start_epoch + 1, epochs, show_progress=progress and rank == 0)
+    buckets = None
+    if bucket_bytes is not None:
+        name = allreduce if isinstance(allreduce, str) else getattr(allreduce, "__qualname__", "function")
+        buckets = GradientBuckets(list(model.parameters()), bucket_bytes, reduce_in_place, overlap=overlap, name=name)
+    try:
+        with traffic.record() as recording:
+            for epoch in range(start_epoch, start_epoch + epochs):
+                mine = sharding.shard_indices(n, rank, world_size, shuffle=shuffle, seed=seed, epoch=epoch,
+                                              drop_last=drop_last, pad=pad)                # step 1
+                batches = sharding.split_batches(mine, batch_size)
+                for step in range(steps):
+                    if max_steps is not None and len(log.losses) >= max_steps:
+                        break
+                    # With pad=False a rank can run out of samples one step before the others: it
+                    # still joins the all-reduce, contributing zero samples and a zero gradient.
+                    batch = batches[step] if step < len(batches) else []
+                    data = take_batch(dataset, batch, device) if batch else None
+                    total, global_loss, timeline = _one_step(model, optimizer, loss_fn, data, len(batch), buckets,
+                                                             reduce_in_place, sharded)
+                    timeline.step = len(log.timeline)
+                    log.timeline.append(timeline)
+                    log.record_step(global_loss, total, len(batch), model if record_parameters else None)
+                log.end_epoch(epoch, epoch - start_epoch + 1, epochs, show_progress=progress and rank == 0)
+    finally:
+        if buckets is not None:
+            buckets.close()   # hooks off, communication thread stopped, even when a step failed
     log.bytes_sent = recording.bytes_sent
     return log
+
+
+def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded):
+    """Steps 2 to 4 on this rank, timed: forward, backward (+ buckets), gradient average, update."""
+    t_start = time.perf_counter()
+    optimizer.zero_grad()
+    loss, loss_sum = None, 0.0
+    if data is not None:
+        loss = _local_loss(model, loss_fn, *data)                                         # step 2
+        loss_sum = loss.item() * count
+    # Time zero of the step's timeline: the start of backward (the buckets count from the same instant).
+    t_backward = buckets.start_step(count, loss_sum) if buckets is not None else time.perf_counter()
+    if loss is not None:
+        loss.backward()
+    t_backward_end = time.perf_counter()
+    if buckets is not None:                                                              # step 3
+        buffer, bucket_timings = buckets.finish()
+        total, global_loss = apply_reduced_gradient(model, buffer)
+    else:
+        with traffic.record() as recording:
+            if sharded:
+                total, global_loss = optimizer.reduce_gradients(count, loss_sum)
+            else:
+                total, global_loss = average_gradients(model, count, loss_sum, reduce_in_place)
+        numel = sum(p.numel() for p in model.parameters()) + 2
+        element = next(model.parameters()).element_size()
+        after = t_backward_end - t_backward
+        bucket_timings = [BucketTiming(0, numel, numel * element, ready=after, start=after,
+                                       end=time.perf_counter() - t_backward, bytes_sent=recording.bytes_sent,
+                                       bytes_received=recording.bytes_received,
+                                       messages_sent=recording.messages_sent)]
+    t_reduced = time.perf_counter()
+    optimizer.step()                                                                      # step 4
+    t_end = time.perf_counter()
+    timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
+                            communication_done=t_reduced - t_backward if buckets is None else
+                            max(b.end for b in bucket_timings),
+                            optimizer=t_end - t_reduced, total=t_end - t_start, buckets=bucket_timings)
+    return total, global_loss, timeline
+
+
+def _bucket_bytes(bucket_mb, overlap, sharded):
+    """The bucket size in bytes, or None for today's single all-reduce after backward."""
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if sharded and (overlap or bucket_mb is not None):
+        raise ValueError("a ShardedOptimizer reduce-scatters the whole gradient after backward: it does not take "
+                         "bucket_mb or overlap=True; leave both out.")
+    if bucket_mb is None:
+        return 25 * MIB if overlap else None
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be a positive number of MiB (math.inf for a single bucket), got {bucket_mb!r}")
+    return bucket_mb * MIB
 
 
 def train_single_process(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, loss_fn: Callable, *,

@@ -28,11 +28,21 @@ mode="async": the server applies each gradient the moment it arrives and replies
     worker has at most one push in flight, so every run ends with no message left unanswered.
 
 `simulate_stale_sgd` shows the effect of staleness alone, deterministically, in one process.
+
+Why staleness can make training diverge: on a quadratic loss with curvature L (the largest
+eigenvalue of its Hessian), gradient descent whose gradients are s updates old moves along that
+direction as x_{t+1} = x_t - lr L x_{t-s}, which shrinks to the minimum only while
+
+    lr < 2 sin(pi / (2 (2 s + 1))) / L        s = 0: lr < 2 / L,  s = 1: lr < 1 / L,  s = 2: lr < 0.62 / L
+
+(`stale_step_limit`; `sharpest_curvature` measures L of a real model and data set). A step size
+between the s = 0 and the s = 1 limits trains synchronously and diverges asynchronously.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -46,7 +56,8 @@ from course_lib.training import sharding
 from course_lib.training.data_parallel import (_check_model, _dataset_len, _local_loss, flat_gradient,
                                                  set_flat_gradient, take_batch)
 
-__all__ = ["ServerLog", "WorkerLog", "train_parameter_server", "simulate_stale_sgd"]
+__all__ = ["ServerLog", "WorkerLog", "train_parameter_server", "simulate_stale_sgd", "stale_step_limit",
+           "sharpest_curvature"]
 
 PUSH_TAG, REPLY_TAG = 1, 2
 _PUSH_EXTRA, _REPLY_EXTRA = 3, 3  # numbers after the gradient / the parameters in each message
@@ -325,3 +336,44 @@ def simulate_stale_sgd(model: nn.Module, dataset, loss_fn: Callable, *, lr: floa
         _load_flat(model, current)
         losses.append(_full_loss(model, dataset, loss_fn, device))
     return losses
+
+
+def stale_step_limit(curvature: float, staleness: int) -> float:
+    """The largest stable step size of gradient descent on a quadratic when every gradient is stale.
+
+    Along the Hessian's sharpest direction (eigenvalue L = `curvature`) a gradient computed s updates
+    ago gives x_{t+1} = x_t - lr L x_{t-s}. That recursion shrinks to 0 exactly when
+
+        0 < lr L < 2 sin(pi / (2 (2 s + 1)))
+
+    (Levin and May's condition for x_{t+1} = x_t - a x_{t-s}, written with a sine). With s = 0 it is
+    the familiar lr < 2 / L; every update of staleness costs stability: s = 1 halves the limit.
+    """
+    if curvature <= 0 or staleness < 0:
+        raise ValueError("curvature must be > 0 and staleness >= 0")
+    return 2 * math.sin(math.pi / (2 * (2 * staleness + 1))) / curvature
+
+
+def sharpest_curvature(model: nn.Module, dataset, loss_fn: Callable, iterations: int = 200, seed: int = 0) -> float:
+    """L: the largest eigenvalue of the Hessian of the whole-dataset loss at the model's parameters.
+
+    Power iteration: v <- H v / |H v|, with each Hessian-vector product H v taken by differentiating
+    the gradient a second time, so H itself is never built. It finds the eigenvalue largest in size,
+    which for a convex loss is the largest. For a linear model with mean squared error the loss is
+    a quadratic and L does not depend on where it is measured.
+    """
+    _check_model(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
+    inputs, targets = take_batch(dataset, list(range(_dataset_len(dataset))), device)
+    grads = torch.autograd.grad(_local_loss(model, loss_fn, inputs, targets), params, create_graph=True)
+    flat_grad = torch.cat([g.reshape(-1) for g in grads])
+    vector = torch.randn(flat_grad.numel(), generator=torch.Generator().manual_seed(seed)).to(flat_grad)
+    eigenvalue = 0.0
+    for _ in range(iterations):
+        vector = vector / vector.norm()
+        product = torch.autograd.grad(flat_grad @ vector, params, retain_graph=True)
+        product = torch.cat([p.reshape(-1) for p in product])
+        eigenvalue = float(vector @ product)
+        vector = product.detach()
+    return eigenvalue

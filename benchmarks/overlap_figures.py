@@ -1,0 +1,207 @@
+"""Time per training step with and without overlapping the gradient all-reduce with backward.
+
+    python benchmarks/overlap_figures.py [--world-size 2] [--reps 11] [--steps 8] [--width 1024]
+                                         [--depth 4] [--batch 128] [--bucket-mb 4] [--allreduce ring]
+
+The model is a stack of wide Linear layers (width x width weights) trained on random data with a
+small per-rank batch: its gradient is large for the compute it takes, so the all-reduce is a large
+part of the step (the script measures and reports how large). Three ways to average the gradients
+run interleaved in one launch, every repetition running each once, so machine noise hits all three:
+
+    one all-reduce      today's trainer: backward, then one all-reduce of every gradient
+    buckets, after      gradients cut into --bucket-mb buckets, all-reduced one by one after backward
+    buckets, overlap    the same buckets, each all-reduced on a communication thread as soon as its
+                        gradients are ready, while backward goes on (train_data_parallel(overlap=True))
+
+"buckets, after" separates what bucketing alone changes (smaller messages) from what overlap adds.
+For each repetition and variant: the mean step time over --steps steps (the first step of each run
+is dropped as warm-up), slowest rank. Reported: median and spread (min, max) over the repetitions,
+the all-reduce's share of the step in the one-all-reduce variant, the communication left exposed
+after backward, and one step's bucket timeline from the overlap run. Cross-rank argument checks are
+off (course_lib.unchecked()), as in course_lib.bench, so only the algorithms are timed.
+
+Writes benchmarks/results/overlap_figures_<G>ranks.json (every number, the machine, the load average
+before and after) and overlap_figures_<G>ranks.md (a short table). Not a test: the figures depend on the machine and
+on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import course_lib
+from course_lib import bench, training
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+VARIANTS = {
+    "one all-reduce": {},
+    "buckets, after": {"overlap": False},
+    "buckets, overlap": {"overlap": True},
+}
+
+
+def make_model(width: int, depth: int, classes: int = 10, seed: int = 0) -> nn.Sequential:
+    """`depth` Linear(width, width) + ReLU layers and a Linear(width, classes) head."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, classes))
+        return nn.Sequential(*layers)
+
+
+def make_data(samples: int, width: int, classes: int = 10, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, width, generator=generator), torch.randint(0, classes, (samples,), generator=generator)
+
+
+def _summary(timelines) -> dict:
+    """Means over the measured steps of one run (the first step dropped) on one rank."""
+    kept = timelines[1:]
+    mean = lambda values: statistics.fmean(values)  # noqa: E731
+    return {"step": mean([t.total for t in kept]), "forward": mean([t.forward for t in kept]),
+            "backward": mean([t.backward for t in kept]), "communication": mean([t.communication for t in kept]),
+            "exposed_communication": mean([t.exposed_communication for t in kept]),
+            "optimizer": mean([t.optimizer for t in kept])}
+
+
+def measure(rank, world_size, options):
+    """In each rank: every repetition trains each variant for options['steps'] steps from the same start."""
+    data = make_data(options["samples"], options["width"])
+    runs = {name: [] for name in VARIANTS}
+    example = None
+    with course_lib.unchecked():
+        for rep in range(options["reps"] + 1):            # repetition 0 warms up and is dropped
+            for name, extra in VARIANTS.items():
+                model = make_model(options["width"], options["depth"])
+                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+                buckets = {} if not extra else {"bucket_mb": options["bucket_mb"], **extra}
+                log = training.train_data_parallel(model, optimizer, data, F.cross_entropy,
+                                                   batch_size=options["batch"], max_steps=options["steps"] + 1,
+                                                   seed=rep, allreduce=options["allreduce"], **buckets)
+                if rep > 0:
+                    runs[name].append(_summary(log.timeline))
+                if rep == options["reps"] and name == "buckets, overlap":
+                    example = dataclasses.asdict(log.timeline[-1])
+    return {"runs": runs, "example_step": example}
+
+
+def _spread(values) -> dict:
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
+            "q1": ordered[len(ordered) // 4], "q3": ordered[(3 * len(ordered)) // 4], "values": values}
+
+
+def analyse(per_rank: list, options: dict) -> dict:
+    """Slowest rank per repetition, then median and spread over the repetitions."""
+    reps = options["reps"]
+    figures = {}
+    for name in VARIANTS:
+        slowest = [max(per_rank, key=lambda r: r["runs"][name][i]["step"])["runs"][name][i] for i in range(reps)]
+        figures[name] = {key: _spread([run[key] for run in slowest]) for key in slowest[0]}
+        figures[name]["communication_share"] = _spread([run["communication"] / run["step"] for run in slowest])
+    # Per repetition, the ratio of step times (paired: both ran within seconds of each other).
+    paired = {}
+    for other in ("one all-reduce", "buckets, after"):
+        ratios = [max(r["runs"]["buckets, overlap"][i]["step"] for r in per_rank) /
+                  max(r["runs"][other][i]["step"] for r in per_rank) for i in range(reps)]
+        paired[f"buckets, overlap / {other}"] = _spread(ratios)
+    return {"variants": figures, "paired_ratios": paired}
+
+
+def write(result: dict) -> tuple[pathlib.Path, pathlib.Path]:
+    RESULTS.mkdir(exist_ok=True)
+    stem = f"overlap_figures_{result['options']['world_size']}ranks"
+    json_path, md_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    md_path.write_text(markdown(result))
+    return json_path, md_path
+
+
+def markdown(result: dict) -> str:
+    o, m = result["options"], result["machine"]
+    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
+    lines = [
+        "# Overlapping the gradient all-reduce with backward: measured",
+        "",
+        f"`python benchmarks/overlap_figures.py` — {o['world_size']} ranks (gloo), model {o['depth']} x "
+        f"Linear({o['width']}, {o['width']}) + head = {result['parameters']:,} parameters "
+        f"({result['gradient_mib']:.1f} MiB of gradient), batch {o['batch']} per rank, buckets of {o['bucket_mb']} MiB "
+        f"({result['buckets']} buckets), all-reduce `{o['allreduce']}`; {o['reps']} interleaved repetitions of "
+        f"{o['steps']} steps each; slowest rank per repetition.",
+        "",
+        f"Machine: {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, {m['date']}. "
+        f"Load average (1, 5, 15 min) before: {result['load_before']}, after: {result['load_after']}"
+        + (f". Note: {o['note']}" if o.get("note") else "") + ".",
+        "",
+        "| variant | step ms, median (min..max) | backward ms | all-reduce ms | exposed after backward ms "
+        "| all-reduce share of step |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, f in result["variants"].items():
+        s = f["step"]
+        lines.append(f"| {name} | {ms(s['median'])} ({ms(s['min'])}..{ms(s['max'])}) | "
+                     f"{ms(f['backward']['median'])} | {ms(f['communication']['median'])} | "
+                     f"{ms(f['exposed_communication']['median'])} | {f['communication_share']['median']:.2f} |")
+    lines += ["", "Paired ratios of step time (same repetition), median (min..max):", ""]
+    for name, r in result["paired_ratios"].items():
+        lines.append(f"- {name}: {r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f})")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--allreduce", default="ring")
+    parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    if args.reps < 9:
+        parser.error("--reps must be at least 9: a median of fewer runs on a shared machine means little")
+    options = {"world_size": args.world_size, "reps": args.reps, "steps": args.steps, "width": args.width,
+               "depth": args.depth, "batch": args.batch, "bucket_mb": args.bucket_mb, "allreduce": args.allreduce,
+               "samples": args.world_size * args.batch * (args.steps + 1), "note": args.note}
+    model = make_model(args.width, args.depth)
+    params = list(model.parameters())
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    started = time.perf_counter()
+    per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=1800)
+    result = {
+        "options": options,
+        "machine": bench._machine_description(),
+        "load_before": load_before,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.perf_counter() - started, 1),
+        "parameters": sum(p.numel() for p in params),
+        "gradient_mib": sum(p.numel() * p.element_size() for p in params) / 2**20,
+        "buckets": len(training.plan_buckets(params, args.bucket_mb * 2**20)),
+        **analyse(per_rank, options),
+        "example_step_rank0": per_rank[0]["example_step"],
+    }
+    print(markdown(result))
+    if not args.no_write:
+        paths = write(result)
+        print("written:", *paths)
+    return result
+
+
+if __name__ == "__main__":
+    main()
