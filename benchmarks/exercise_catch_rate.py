@@ -1,0 +1,95 @@
+"""How many planted bugs the exercise checks catch, and how long checks and full grades take.
+
+    python benchmarks/exercise_catch_rate.py                      # checks only
+    python benchmarks/exercise_catch_rate.py --grade --repeat 3   # and course_lib.grade on notebooks 04, 05
+    python benchmarks/exercise_catch_rate.py --out benchmarks/results/exercise_catch_rate.txt
+
+Every entry of tests/planted_bugs.py goes through the public `exercises.check(name, fn, hidden=True)`, i.e.
+every hidden case on G = 1..8 ranks, with the default time limits. A bug is *caught* when it loses points;
+its feedback *names it* when the first problem reported contains the phrase the catalogue expects. A
+correct solution must get full marks. The machine's load average is printed with the figures: the
+times depend on it (2 cores shared with other work), the counts do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import planted_bugs  # noqa: E402
+
+from course_lib import exercises, grade  # noqa: E402
+
+
+def _first_problem(result) -> str:
+    first = next((c for c in result.cases if not c.passed), None)
+    return first.problems[0].message if first is not None else "\n".join(result.feedback)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grade", action="store_true", help="also time course_lib.grade on notebooks 04 and 05")
+    parser.add_argument("--repeat", type=int, default=1, help="grades per notebook (median and spread)")
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args(argv)
+    lines = [f"load average at start: {os.getloadavg()[0]:.1f} (2-core machine shared with other work)"]
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    say("\ncorrect solutions (must get full marks), hidden cases included:")
+    wrong, times = [], []
+    for entry in planted_bugs.CORRECT:
+        started = time.perf_counter()
+        result = exercises.check(entry.exercise, entry.fn, hidden=True)
+        times.append(time.perf_counter() - started)
+        if not result.passed:
+            wrong.append(entry.name)
+        say(f"  {'full ' if result.passed else 'LOST '} {entry.exercise:20} {entry.name:26} "
+            f"{result.score:g}/{result.max_score:g}  {times[-1]:5.1f} s")
+    say("\nplanted bugs (must lose points; the first problem should name the mistake):")
+    caught, named, bug_times = 0, 0, []
+    for entry in planted_bugs.BUGS:
+        started = time.perf_counter()
+        result = exercises.check(entry.exercise, entry.fn, hidden=True)
+        bug_times.append(time.perf_counter() - started)
+        lost = result.score < result.max_score
+        names = entry.expect in _first_problem(result)
+        caught += lost
+        named += lost and names
+        say(f"  {'caught' if lost else 'MISSED'} {'named' if names else 'vague'} {entry.exercise:20} "
+            f"{entry.name:28} {result.score:g}/{result.max_score:g}  {bug_times[-1]:5.1f} s")
+    say(f"\ncatch rate: {caught}/{len(planted_bugs.BUGS)} = {caught / len(planted_bugs.BUGS):.1%} of planted bugs lose points")
+    say(f"named: {named}/{len(planted_bugs.BUGS)} report the expected first problem")
+    say(f"correct solutions with full marks: {len(planted_bugs.CORRECT) - len(wrong)}/{len(planted_bugs.CORRECT)}"
+        + (f" (lost points: {', '.join(wrong)})" if wrong else ""))
+    every = times + bug_times
+    say(f"check time with hidden cases: median {statistics.median(every):.1f} s, min {min(every):.1f} s, "
+        f"max {max(every):.1f} s over {len(every)} checks (the slowest are deadlocks and endless loops)")
+    if args.grade:
+        say(f"\npython -m course_lib.grade, {args.repeat} run(s) per notebook (load average now "
+            f"{os.getloadavg()[0]:.1f}):")
+        for folder in ("assignments", "notebooks"):
+            for name in ("04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb"):
+                runs, scores = [], set()
+                for _ in range(args.repeat):
+                    result = grade.grade_notebook(ROOT / folder / name)
+                    runs.append(result.seconds)
+                    scores.add(f"{result.score:g}/{result.max_score:g}")
+                spread = f" (min {min(runs):.1f}, max {max(runs):.1f})" if len(runs) > 1 else ""
+                say(f"  {folder}/{name}: {', '.join(sorted(scores))} points, median {statistics.median(runs):.1f} s{spread}")
+    if args.out:
+        pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0 if caught / len(planted_bugs.BUGS) >= 0.95 and not wrong else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Exercises: the learner writes the algorithm, the check runs it on real ranks and says what went wrong.
+
+    from course_lib import exercises
+    result = exercises.check("ring_scatter_reduce", ring_scatter_reduce)   # runs it on 1..8 ranks
+    result.score, result.max_score, result.passed, result.feedback
+    exercises.list()                                                       # every exercise
+
+`check(name, answer, *, hidden=False)` returns a `Result`: in a notebook it shows as a report (the
+first problem, in the learner's terms, read from what the ranks really sent; a table of the cases;
+for the ring a picture of the step that went wrong); its text form is short and stable. Points are
+spread over the cases, so code that is right for some world sizes and lengths gets part of them.
+``hidden=True`` adds the grader's cases (more world sizes, lengths, roots, seeds).
+
+Function exercises (the learner writes an SPMD function; `answer` is that function):
+
+    name                 notebook  signature                           what it must do
+    pass_token           00        pass_token(token) -> list           pass a 1-D tensor to the right G-1 times,
+                                                                       passing on what arrived; return the G
+                                                                       tokens held, own first
+    broadcast            02        broadcast(tensor, src=0)            every rank gets src's tensor, in place
+    all_gather           02        all_gather(tensor_list, tensor)     tensor_list[j] = rank j's tensor
+    naive                03        naive(tensor)                       all-reduce (sum) by full exchange
+    parameter_server     03        parameter_server(tensor, root=0)    all-reduce (sum) through `root`
+    ring_scatter_reduce  04        ring_scatter_reduce(tensor) -> int  step s: rank r sends chunk (r-s) mod G
+                                                                       to r+1, adds what arrives; returns
+                                                                       (r+1) mod G
+    ring_all_gather      05        ring_all_gather(tensor)             step s: rank r sends chunk (r+1-s) mod G
+                                                                       to r+1, the receiver overwrites
+    ring                 05        ring(tensor)                        the two phases: the whole all-reduce
+    average_gradients    07        average_gradients(model)            after backward: every .grad becomes the
+                                                                       mean over the ranks
+
+Tensors are 1-D float32, results in place, rank and world size from ``torch.distributed``, sum only;
+chunks are ``torch.tensor_split(tensor, G)``. Use `course_lib.p2p` or torch.distributed's own
+send / recv / isend / irecv; chunk labels are optional, the check reads the data. Calling a built-in
+collective (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``, ...) or
+course_lib's own implementation (`course_lib.collectives`, `course_lib.allreduce`; for
+average_gradients `course_lib.training`) scores 0 for that case.
+
+Questions (`answer` is a value, or a function of G and N for a formula):
+
+    batch_size_quiz                01  "A", "B" or "C": the 4-GPU quiz
+    batches_per_epoch              01  a number: 128 samples, 16 per GPU, 8 GPUs
+    batch_per_gpu                  01  a number: effective batch 256 on 8 GPUs
+    shard_weights                  01  two numbers: averaging weights for shards of 10 and 30 samples
+    traffic_naive                  03  formula: elements all ranks send, naive exchange      G(G-1)N
+    traffic_naive_per_rank         03  formula: elements one rank sends, naive exchange
+    traffic_parameter_server       03  formula: elements all ranks send, parameter server
+    traffic_parameter_server_root  03  formula: elements that leave the root
+    naive_vs_master_ranks          03  a number: from how many ranks the naive sends >= 10x the master
+    traffic_ring                   06  formula: elements all ranks send, ring
+    traffic_ring_per_rank          06  formula: elements one rank sends, ring (N divisible by G)
+    ring_steps                     06  formula: steps of the ring all-reduce
+
+A formula is a string such as "G*(G-1)*N" (also "G(G-1)N", "2(G-1)N/G"; parsed with `ast`, never
+executed) or a Python function ``lambda G, N: ...``.
+
+An answer not written yet (a function that raises NotImplementedError, as the student notebooks
+have it, or ``...``) scores 0 with "not done yet", never an error. Whatever the learner's code does
+(raise, deadlock, loop forever, print megabytes), a check ends within about 60 s with feedback, and
+leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass
+
+from course_lib.exercises import registry, runner
+from course_lib.exercises.report import Result, format_points
+
+__all__ = ["check", "list", "list_exercises", "Result", "ExerciseInfo"]
+
+
+def check(name: str, answer, *, hidden: bool = False) -> Result:
+    """Check the learner's `answer` to exercise `name`.
+
+    Args:
+        name: the exercise (see `list()`).
+        answer: for a function exercise, the learner's function; for a question, the answer (a number,
+            a letter, a formula string, or a function of G and N).
+        hidden: also run the grader's hidden cases.
+
+    Returns:
+        A `Result`: ``.score``, ``.max_score``, ``.passed``, ``.feedback``; shown as a report in a notebook.
+
+    Example::
+
+        >>> def ring_scatter_reduce(tensor):
+        ...     raise NotImplementedError("your code here")
+        >>> exercises.check("ring_scatter_reduce", ring_scatter_reduce).score
+        0.0
+    """
+    exercise = registry.get(name)
+    if exercise.kind == "question":
+        try:
+            if callable(answer) and exercise.answer_kind != "formula":
+                answer = answer()
+            right, message = exercise.grade(answer)
+        except NotImplementedError:
+            return Result.not_done(exercise, "not done yet: give your answer in the cell above, then run the check.")
+        return Result.of_question(exercise, right, message)
+    if answer is None or answer is Ellipsis:
+        return Result.not_done(exercise, runner.feedback.NOT_DONE.format(function=exercise.answer_name))
+    if not callable(answer):
+        raise TypeError(f"check({name!r}, ...) needs your function {exercise.signature}, not a "
+                        f"{type(answer).__name__}: pass the function itself, without calling it.")
+    outcome = runner.run_function(exercise, answer, hidden=hidden)
+    if outcome.not_done is not None:
+        return Result.not_done(exercise, outcome.not_done)
+    return Result.of_cases(exercise, outcome.cases, hidden)
+
+
+@dataclass(frozen=True)
+class ExerciseInfo:
+    """One line of `list()`."""
+
+    name: str
+    notebook: str
+    points: float
+    kind: str
+    signature: str
+    summary: str
+
+    def __repr__(self) -> str:
+        return f"{self.notebook[:2]}  {self.name:<30} {format_points(self.points):>3} pt  {self.signature}"
+
+
+class _Listing(builtins.list):
+    def __repr__(self) -> str:
+        return "\n".join(repr(info) for info in self)
+
+
+def list_exercises(notebook: str | None = None) -> builtins.list:
+    """Every exercise (name, notebook, points, kind, signature, summary), in course order.
+
+    Args:
+        notebook: only this notebook's ('04', or '04_ring_scatter_reduce').
+    """
+    infos = [ExerciseInfo(e.name, e.notebook, e.points, e.kind, e.signature, e.summary)
+             for e in registry.all_exercises()
+             if notebook is None or e.notebook.startswith(str(notebook))]
+    return _Listing(infos)
+
+
+list = list_exercises  # noqa: A001 - exercises.list() reads well; builtins.list is used above

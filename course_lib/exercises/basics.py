@@ -1,0 +1,251 @@
+"""Notebooks 00 and 02: a token round the ring, broadcast and all-gather.
+
+    pass_token(token) -> list        pass `token` (a 1-D tensor) to the right G - 1 times, each time
+                                     passing on what just arrived; return the G tokens held, own first
+    broadcast(tensor, src=0)         every rank's tensor becomes src's, in place
+    all_gather(tensor_list, tensor)  every rank's tensor_list[j] becomes rank j's tensor, in place
+
+All three only copy data, so the check identifies what a rank holds or sent by comparing it with
+every rank's input: "rank 3 holds rank 0's values", "step 1: rank 2 passed on its own token again".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib.exercises import data
+from course_lib.exercises.cases import VISIBLE_SIZES, HIDDEN_SIZES, clone, portable, standard_cases
+from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
+
+__all__ = ["PassToken", "Broadcast", "AllGather"]
+
+
+def _whose(values, inputs, world_size, tagged, sentinel=None) -> str:
+    """'its own values', "rank 0's values", 'a sum of a+c', ... for what a tensor holds."""
+    if sentinel is not None and data.same_values(values, sentinel):
+        return "never written"
+    owner = data.which_input(values, inputs)
+    if owner is not None:
+        return f"rank {owner}'s values"
+    if tagged:
+        holds = data.decode_whole(values, world_size)
+        if holds is not None and len(holds) > 1:
+            names = [str(r) for r in sorted(holds)]
+            return f"a sum of the values of ranks {', '.join(names[:-1])} and {names[-1]}"
+    return "values that are no rank's input"
+
+
+# --------------------------------------------------------------------------------------------------
+# 00: a token round the ring
+# --------------------------------------------------------------------------------------------------
+
+
+class PassToken(FunctionExercise):
+    def cases(self, hidden=False):
+        sizes = sorted(VISIBLE_SIZES + (HIDDEN_SIZES if hidden else ()))
+        cases = []
+        for G in sizes:
+            extra = G in HIDDEN_SIZES
+            cases.append(Case(G, 1, "tagged", hidden=extra))
+            if G > 1:
+                cases.append(Case(G, 3, "random", 1, hidden=extra))
+        return cases
+
+    def run_case(self, call, case, rank, world_size):
+        token = torch.full((1,), 100.0 + rank) if case.data == "tagged" else data.make_input(case, rank)
+        start = token.clone()
+        everyone = [torch.empty_like(token) for _ in range(world_size)]
+        dist.all_gather(everyone, token)              # the built-in: every rank's token
+        returned = call(token)
+        return {"start": start, "everyone": everyone, "returned": portable(returned)}
+
+    def judge(self, case, records, complete=True):
+        G = case.world_size
+        tokens = records[0]["everyone"] if complete else None
+        problems = []
+        inputs = tokens or [None] * G
+        for rank, record in enumerate(records):
+            sends = [m for m in record["messages"] if m.is_send]
+            right = (rank + 1) % G
+            for step, message in enumerate(sends[:G - 1]):
+                if message.peer != right:
+                    problems.append(Problem(
+                        f"step {step}: rank {rank} sent to rank {message.peer}; pass the token to the right "
+                        f"neighbour, (rank + 1) % world_size = {right}.", order=(0, step, rank)))
+                    continue
+                if tokens is None:
+                    continue
+                owner, want = data.which_input(message.data, tokens), (rank - step) % G
+                if owner == want:
+                    continue
+                if owner == rank and step > 0:
+                    text = (f"step {step}: rank {rank} passed on its own token again; pass on the token it received "
+                            f"in step {step - 1} (rank {want}'s).")
+                elif owner is not None:
+                    text = (f"step {step}: rank {rank} passed rank {owner}'s token; in step {step} it should pass "
+                            f"rank {want}'s" + (", the one it received in the step before." if step else ", its own."))
+                else:
+                    text = f"step {step}: rank {rank} sent values that are nobody's token."
+                problems.append(Problem(text, order=(0, step, rank)))
+            if complete and len(sends) != G - 1:
+                problems.append(Problem(
+                    f"rank {rank} sent {len(sends)} message{'s' if len(sends) != 1 else ''}; passing the token round "
+                    f"G = {G} ranks takes G - 1 = {G - 1} steps, one message each.", order=(0, len(sends), rank, 1)))
+        if not complete:
+            return problems
+        for rank, record in enumerate(records):
+            returned = record["returned"]
+            if not isinstance(returned, (list, tuple)):
+                problems.append(Problem(
+                    f"rank {rank} returned {type(returned).__name__}; pass_token returns the list of the {G} tokens "
+                    "the rank held, its own first.", order=(1, rank)))
+                continue
+            if len(returned) != G:
+                problems.append(Problem(
+                    f"rank {rank} returned {len(returned)} token{'s' if len(returned) != 1 else ''}; after G - 1 "
+                    f"passes it has held G = {G} (its own and one per step).", order=(1, rank)))
+                continue
+            for k, item in enumerate(returned):
+                want = (rank - k) % G
+                if data.same_values(item, tokens[want]):
+                    continue
+                owner = next((p for p, t in enumerate(tokens) if data.same_values(item, t)), None)
+                held = f"rank {owner}'s token" if owner is not None else "no rank's token"
+                problems.append(Problem(
+                    f"rank {rank}'s list: item {k} is {held}; it should be rank {want}'s, the token from {k} "
+                    f"place{'s' if k != 1 else ''} to the left.", order=(1, rank, k)))
+                break
+        return problems
+
+
+# --------------------------------------------------------------------------------------------------
+# 02: broadcast and all-gather
+# --------------------------------------------------------------------------------------------------
+
+
+class Broadcast(FunctionExercise):
+    def cases(self, hidden=False):
+        return standard_cases(hidden, rooted=True)
+
+    def run_case(self, call, case, rank, world_size):
+        tensor = data.make_input(case, rank)
+        start = tensor.clone()
+        expected = tensor.clone()
+        dist.broadcast(expected, src=case.root)        # the built-in
+        call(tensor, src=case.root)
+        return {"start": start, "after": clone(tensor), "expected": expected}
+
+    def judge(self, case, records, complete=True):
+        G, src = case.world_size, case.root
+        if not complete:
+            return []
+        problems = []
+        inputs = [record["start"] for record in records]
+        source = records[src]
+        if data.first_difference(source["after"], source["expected"]) is None:
+            pass
+        elif (owner := data.which_input(source["after"], inputs)) is not None:
+            problems.append(Problem(
+                f"broadcast from rank {src}: the source, rank {src}, ended with rank {owner}'s values, so your code "
+                f"broadcast from rank {owner}; use the src it was given (src={src}).", order=(0, -1)))
+        else:
+            problems.append(Problem(
+                f"broadcast from rank {src} changed the source's own tensor (it now holds "
+                f"{_whose(source['after'], inputs, G, case.data == 'tagged')}): src only sends.", order=(0, -1)))
+        for rank, record in enumerate(records):
+            if rank == src or data.first_difference(record["after"], record["expected"]) is None:
+                continue
+            holds = _whose(record["after"], inputs, G, case.data == "tagged")
+            if holds == f"rank {rank}'s values":
+                text = f"after broadcast from rank {src}, rank {rank} still holds its own values."
+            elif holds.startswith("a sum"):
+                text = (f"after broadcast from rank {src}, rank {rank} holds {holds}: broadcast copies src's tensor, "
+                        "it does not add.")
+            else:
+                text = (f"after broadcast from rank {src}, rank {rank} holds {holds}; it should hold rank {src}'s "
+                        f"(src={src}).")
+            problems.append(Problem(text, order=(0, rank)))
+        for rank, record in enumerate(records):
+            received = sum(m.numel for m in record["messages"] if not m.is_send)
+            want = 0 if rank == src else case.numel
+            if received != want and not problems:
+                text = (f"the source, rank {src}, received {received} elements: in a broadcast src only sends."
+                        if rank == src else
+                        f"rank {rank} received {received} elements; it needs src's N = {case.numel} elements once.")
+                problems.append(Problem(text, order=(1, rank)))
+        return problems
+
+
+class AllGather(FunctionExercise):
+    def cases(self, hidden=False):
+        return standard_cases(hidden)
+
+    def run_case(self, call, case, rank, world_size):
+        tensor = data.make_input(case, rank)
+        start = tensor.clone()
+        expected = [torch.empty_like(tensor) for _ in range(world_size)]
+        dist.all_gather(expected, tensor)              # the built-in
+        fill = -1.0 if case.data == "tagged" else float("nan")   # what a slot holds if nobody writes it
+        tensor_list = [torch.full_like(tensor, fill) for _ in range(world_size)]
+        call(tensor_list, tensor)
+        return {"start": start, "after": clone(tensor), "expected": expected, "fill": fill,
+                "slots": [clone(t) for t in tensor_list]}
+
+    def judge(self, case, records, complete=True):
+        G, N = case.world_size, case.numel
+        if not complete:
+            return []
+        problems = []
+        inputs = [record["start"] for record in records]
+        for rank, record in enumerate(records):
+            sentinel = torch.full((N,), record["fill"])
+            for slot, (got, want) in enumerate(zip(record["slots"], record["expected"])):
+                if data.first_difference(got, want) is None:
+                    continue
+                holds = _whose(got, inputs, G, case.data == "tagged", sentinel=sentinel if N else None)
+                if holds == "never written":
+                    text = f"rank {rank}'s tensor_list[{slot}] was never written" + (
+                        ": copy the rank's own tensor into its own slot too." if slot == rank else ".")
+                else:
+                    text = f"rank {rank}'s tensor_list[{slot}] holds {holds}; tensor_list[j] must hold rank j's tensor."
+                problems.append(Problem(text, order=(0, rank, slot)))
+                break
+            if not data.same_values(record["after"], record["start"]):
+                problems.append(Problem(f"rank {rank}'s own tensor changed: all_gather only reads it.", order=(0, rank, G)))
+        if not problems:
+            for rank, record in enumerate(records):
+                received = sum(m.numel for m in record["messages"] if not m.is_send)
+                if received != (G - 1) * N:
+                    problems.append(Problem(
+                        f"rank {rank} received {received} elements; it needs each of the other G - 1 tensors once: "
+                        f"(G - 1) N = {(G - 1) * N}.", order=(1, rank)))
+                    break
+        return problems
+
+
+register(PassToken(
+    name="pass_token", notebook="00_hello_ranks", points=5,
+    signature="pass_token(token) -> list",
+    summary="pass a 1-D tensor to the right G - 1 times, each time passing on what arrived; return the G tokens "
+            "held, own first",
+    checks=("every rank sends to (rank + 1) % world_size, G - 1 messages",
+            "in step s a rank passes on rank (r - s)'s token, the one it received in step s - 1",
+            "the returned list holds the tokens of ranks r, r-1, ..., r-G+1 (compared with torch.distributed.all_gather)"),
+    forbidden=("collectives", "allreduce")))
+
+register(Broadcast(
+    name="broadcast", notebook="02_collectives", points=5,
+    signature="broadcast(tensor, src=0) -> None",
+    summary="every rank's tensor becomes a copy of rank src's, in place",
+    checks=("every rank's tensor equals torch.distributed.broadcast's, for src 0, G - 1 and in between",
+            "every rank but src receives src's N elements once; src receives nothing"),
+    root_name="src"))
+
+register(AllGather(
+    name="all_gather", notebook="02_collectives", points=5,
+    signature="all_gather(tensor_list, tensor) -> None",
+    summary="on every rank, tensor_list[j] becomes a copy of rank j's tensor; tensor is not changed",
+    checks=("every slot of every rank equals torch.distributed.all_gather's (slots start filled with -1 or NaN, "
+            "so a slot nobody wrote is caught)",
+            "every rank receives (G - 1) N elements")))

@@ -1,0 +1,158 @@
+"""What `check` returns: a score, the feedback, and a report for the notebook.
+
+The text form (``repr``) is short and the same on every run: no timings, no addresses, no paths,
+so nbval can compare it. The HTML form adds a table of the cases, what is checked, and for the ring
+exercises a picture of the first step that went wrong next to what the ring does in that step.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass, field
+
+__all__ = ["Result", "format_points"]
+
+
+def format_points(value: float) -> str:
+    """10 -> '10', 7.5 -> '7.5', 6.3636 -> '6.36'."""
+    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+@dataclass
+class Result:
+    """The outcome of ``exercises.check(name, answer)``.
+
+    Attributes:
+        name: the exercise.
+        score, max_score: points earned and possible; the points are spread evenly over the cases.
+        status: 'passed', 'failed' or 'not done'.
+        feedback: the report as a list of lines (the first problem first).
+        cases: for function exercises, one `runner.CaseResult` per case (empty for questions).
+        checks: what the exercise checks, one line each.
+        hidden: whether the grader's hidden cases were included.
+    """
+
+    name: str
+    score: float
+    max_score: float
+    status: str
+    feedback: list = field(default_factory=list)
+    cases: list = field(default_factory=list)
+    checks: tuple = ()
+    hidden: bool = False
+    _exercise: object = field(default=None, repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __repr__(self) -> str:
+        return "\n".join(self.feedback)
+
+    def to_dict(self) -> dict:
+        """Gradescope's per-test fields: name, score, max_score, output."""
+        return {"name": self.name, "score": self.score, "max_score": self.max_score, "output": repr(self)}
+
+    # -- building -------------------------------------------------------------------------------------
+
+    @classmethod
+    def not_done(cls, exercise, message: str) -> "Result":
+        return cls(exercise.name, 0.0, float(exercise.points), "not done",
+                   [f"{exercise.name}: 0/{format_points(exercise.points)} points, {message}"],
+                   checks=getattr(exercise, "checks", ()), _exercise=exercise)
+
+    @classmethod
+    def of_question(cls, exercise, right: bool, message: str) -> "Result":
+        points = float(exercise.points) if right else 0.0
+        head = (f"{exercise.name}: {format_points(points)}/{format_points(exercise.points)} "
+                f"point{'s' if exercise.points != 1 else ''}, {message}")
+        return cls(exercise.name, points, float(exercise.points), "passed" if right else "failed", [head],
+                   _exercise=exercise)
+
+    @classmethod
+    def of_cases(cls, exercise, cases, hidden: bool) -> "Result":
+        total = len(cases)
+        passed = sum(c.passed for c in cases)
+        score = round(exercise.points * passed / total, 2) if total else 0.0
+        sizes = ", ".join(str(g) for g in sorted({c.case.world_size for c in cases}))
+        if passed == total:
+            lines = [f"{exercise.name}: {format_points(score)}/{format_points(exercise.points)} points, all {total} "
+                     f"cases passed (G = {sizes}" + ("; hidden cases included)" if hidden else ")")]
+        else:
+            lines = [f"{exercise.name}: {format_points(score)}/{format_points(exercise.points)} points, {passed} of "
+                     f"{total} cases passed" + (" (hidden cases included)" if hidden else "")]
+            first = next(c for c in cases if not c.passed)
+            lines.append(f"First problem (case {first.case.label(exercise.root_name)}):")
+            lines += ["  " + line for line in first.problems[0].message.splitlines()]
+            more = len(first.problems) - 1
+            if more:
+                lines.append(f"  ({more} more problem{'s' if more != 1 else ''} in this case; fix this one first)")
+            lines.append("Cases:")
+            for c in cases:
+                mark = "passed" if c.passed else ("not run" if c.status == "not run" else "FAILED")
+                note = "" if c.passed else ": " + c.problems[0].message.splitlines()[0]
+                if len(note) > 140:
+                    note = note[:137] + "..."
+                lines.append(f"  {mark:<7} {c.case.label(exercise.root_name)}{note}")
+        return cls(exercise.name, score, float(exercise.points), "passed" if passed == total else "failed", lines,
+                   cases, getattr(exercise, "checks", ()), hidden, exercise)
+
+    # -- HTML -------------------------------------------------------------------------------------------
+
+    def _picture_png(self) -> bytes | None:
+        exercise = self._exercise
+        if exercise is None or not getattr(exercise, "ring_picture", False):
+            return None
+        first = next((c for c in self.cases if not c.passed and c.records is not None), None)
+        if first is None or not first.problems:
+            return None
+        try:
+            fig = exercise.picture(first.case, first.records, first.problems[0])
+        except Exception:  # noqa: BLE001 - a picture is a bonus; the words say it all
+            return None
+        if fig is None:
+            return None
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=80)
+        return buffer.getvalue()
+
+    def _repr_html_(self) -> str:
+        colour = {"passed": "#1a7f37", "failed": "#b35900", "not done": "#57606a"}[self.status]
+        head = html.escape(self.feedback[0]) if self.feedback else html.escape(self.name)
+        parts = [f'<div style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0">',
+                 f'<div style="font-weight:bold;color:{colour}">{head}</div>']
+        failed = [c for c in self.cases if not c.passed]
+        if failed:
+            first = failed[0]
+            message = html.escape(first.problems[0].message)
+            parts.append(f"<p>First problem, in the case {html.escape(first.case.label(self._exercise.root_name))}:</p>"
+                         f'<pre style="white-space:pre-wrap;margin:0 0 6px 0">{message}</pre>')
+            png = self._picture_png()
+            if png is not None:
+                parts.append('<p>The chunks after that step, read from the values your GPUs sent (left), and what '
+                             'the ring does (right):</p>'
+                             f'<img src="data:image/png;base64,{base64.b64encode(png).decode()}"/>')
+        elif self.status != "passed" and len(self.feedback) > 1:
+            parts.append(f"<pre>{html.escape(chr(10).join(self.feedback[1:]))}</pre>")
+        if self.cases:
+            rows = []
+            for c in self.cases:
+                symbol = "✓" if c.passed else ("–" if c.status == "not run" else "✗")
+                note = "" if c.passed else html.escape(c.problems[0].message.splitlines()[0])
+                root = "" if c.case.root is None else str(c.case.root)
+                rows.append(f"<tr><td>{symbol}</td><td>{c.case.world_size}</td><td>{c.case.numel}</td>"
+                            f"<td>{c.case.data}</td><td>{root}</td><td style='text-align:left'>{note}</td></tr>")
+            root_name = html.escape(self._exercise.root_name) if any(c.case.root is not None for c in self.cases) else ""
+            parts.append("<details><summary>cases</summary><table><tr><th></th><th>G</th><th>N</th><th>data</th>"
+                         f"<th>{root_name}</th><th>first problem</th></tr>" + "".join(rows) + "</table></details>")
+        if self.checks:
+            items = "".join(f"<li>{html.escape(line)}</li>" for line in self.checks)
+            parts.append(f"<details><summary>what is checked</summary><ul>{items}</ul></details>")
+        parts.append("</div>")
+        return "".join(parts)

@@ -1,0 +1,381 @@
+"""Run a learner's function on real ranks, case by case, and never hang.
+
+All the cases of one world size run in one `course_lib.launch` (a launch costs 0.1-0.2 s, a case
+milliseconds). Inside each rank, `_rank_main` loops over the cases; for each it builds the inputs,
+calls the learner's function under a `Tracer`, and writes a record file (what came back, every
+message sent). The notebook process then judges every case from the records of all ranks.
+
+What can go wrong, and what happens:
+
+* an exception on some rank: that rank writes its error and stops; `launch` stops the others at
+  once. The case fails with the exception; the remaining cases of that world size run in a new launch.
+* a deadlock or an endless loop: a watchdog thread in every rank notices that the case has run for
+  `case_timeout` seconds, writes what the rank is blocked in (or which line of the learner's code it
+  is running) and ends the rank. The case fails with an explanation read from all ranks' reports;
+  the remaining cases of that world size are skipped (each would cost another timeout).
+* a forbidden call (a built-in collective, course_lib's own implementation): that case scores 0.
+* NotImplementedError: the exercise is "not done yet"; nothing else runs.
+* a check that runs out of its overall time budget marks the cases it did not reach as not run.
+
+No process outlives a check: `launch` kills and reaps every rank whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from course_lib.exercises import feedback, registry
+from course_lib.exercises.registry import Case, Problem
+from course_lib.exercises.tracing import ForbiddenCall, Tracer, learner_frame
+
+__all__ = ["CaseResult", "Outcome", "run_function", "CASE_TIMEOUT", "BUDGET"]
+
+CASE_TIMEOUT = 4.0   # seconds one case may take on the ranks (a correct one takes milliseconds)
+BUDGET = 45.0        # seconds a whole check may take; cases not reached by then are not run
+_STUCK_EXIT = 3
+
+
+@dataclass
+class CaseResult:
+    """How one case went: 'passed', 'failed' or 'not run', and the problems found (first = earliest)."""
+
+    case: Case
+    status: str
+    problems: list = field(default_factory=list)
+    records: list | None = None  # the ranks' records (for pictures); None when the case did not finish
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+@dataclass
+class Outcome:
+    """Everything a check of a function found: one CaseResult per case, or `not_done`."""
+
+    cases: list
+    not_done: str | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside each rank
+# --------------------------------------------------------------------------------------------------
+
+
+class _Call:
+    """What an exercise's `run_case` calls the learner's function through: traced, timed, policed."""
+
+    def __init__(self, fn, tracer, watchdog):
+        self.fn, self.tracer, self._watchdog = fn, tracer, watchdog
+
+    def __call__(self, *args, **kwargs):
+        # The clock starts here, right after the case's built-in collectives lined the ranks up,
+        # so every rank's watchdog fires at about the same moment.
+        self._watchdog.started = time.monotonic()
+        self._watchdog.in_learner = True
+        try:
+            with self.tracer:
+                return self.fn(*args, **kwargs)
+        finally:
+            self._watchdog.in_learner = False
+
+    @property
+    def messages(self):
+        return self.tracer.messages
+
+
+class _CaseStopped(BaseException):
+    """Raised in a rank after it recorded a failed case: ends the launch at once."""
+
+
+class _Watchdog(threading.Thread):
+    """Ends this rank when a case runs too long, after writing where the rank was."""
+
+    def __init__(self, workdir, rank, timeout):
+        super().__init__(daemon=True, name="course_lib-exercise-watchdog")
+        self.workdir, self.rank, self.timeout = workdir, rank, timeout
+        self.main = threading.get_ident()
+        self.case, self.started, self.tracer, self.in_learner = None, 0.0, None, False
+        self.start()
+
+    def begin(self, index, tracer):
+        self.tracer, self.started, self.case = tracer, time.monotonic(), index
+
+    def end(self):
+        self.case = None
+
+    def run(self):
+        while True:
+            time.sleep(0.05)
+            case = self.case
+            if case is None or time.monotonic() - self.started < self.timeout:
+                continue
+            frame = sys._current_frames().get(self.main)
+            tracer = self.tracer
+            blocked = tracer.blocked if tracer is not None else None
+            record = {"status": "stuck", "in_learner": self.in_learner,
+                      "call": blocked[0] if blocked else None, "peer": blocked[1] if blocked else None,
+                      "where": (blocked[3] if blocked else "") or (learner_frame(frame) if frame is not None else ""),
+                      "messages": list(tracer.messages) if tracer is not None else [],
+                      "printed": (tracer.printed.size, tracer.printed.text) if tracer is not None else (0, "")}
+            _save(self.workdir, case, self.rank, record, suffix="stuck")
+            time.sleep(0.5)  # let the other ranks' watchdogs write theirs before launch stops everyone
+            os._exit(_STUCK_EXIT)
+
+
+def _path(workdir, index, rank, suffix="done"):
+    return os.path.join(workdir, f"case{index}.rank{rank}.{suffix}")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays: a record holds hundreds of tiny tensors, and torch's own
+    tensor pickling costs about ten times more per tensor on both ends."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return torch.from_numpy, (obj.detach().numpy().copy(),)
+            except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+                return NotImplemented
+        return NotImplemented
+
+
+def _save(workdir, index, rank, record, suffix="done"):
+    path = _path(workdir, index, rank, suffix)
+    with open(path + ".tmp", "wb") as f:
+        _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(record)
+    os.replace(path + ".tmp", path)
+
+
+def _load(workdir, index, rank, suffix="done"):
+    try:
+        with open(_path(workdir, index, rank, suffix), "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def _raising_function(exc) -> str:
+    """The name of the innermost learner function in the traceback (the one still to be written)."""
+    name, tb = "", exc.__traceback__
+    while tb is not None:
+        if learner_frame(_OneFrame(tb)):
+            name = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return name
+
+
+class _OneFrame:
+    def __init__(self, tb):
+        self.f_code, self.f_lineno, self.f_back = tb.tb_frame.f_code, tb.tb_lineno, None
+
+
+def _lost_a_peer(exc) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        words in text for words in ("connection closed", "connection reset", "broken pipe", "connection refused"))
+
+
+def _rank_main(rank, world_size, exercise_name, fn, cases, first_index, workdir, case_timeout):
+    exercise = registry.get(exercise_name)
+    # The cases are tiny, and a forked rank that uses OpenMP threads after the notebook process did
+    # can hang in its first parallel region (libgomp is not fork-safe): one thread each.
+    torch.set_num_threads(1)
+    watchdog = _Watchdog(workdir, rank, case_timeout)
+    namespaces = [getattr(fn, "__globals__", None)]
+    for offset, case in enumerate(cases):
+        index = first_index + offset
+        tracer = Tracer(case_index=offset + 1, forbidden_modules=exercise.forbidden, namespaces=namespaces,
+                        largest_message=case.numel)
+        watchdog.begin(index, tracer)
+        try:
+            record = exercise.run_case(_Call(fn, tracer, watchdog), case, rank, world_size)
+            record["status"] = "ok"
+        except ForbiddenCall as exc:
+            record = {"status": "forbidden", "what": exc.what}
+        except NotImplementedError as exc:
+            record = {"status": "not_done", "function": _raising_function(exc)}
+        except BaseException as exc:  # noqa: BLE001 - the learner's code may raise anything
+            if _lost_a_peer(exc):
+                # Another rank ended (its watchdog, or its own error): that rank's report is the story.
+                # launch is stopping everyone; wait for it rather than report a consequence.
+                time.sleep(case_timeout + 5)
+            record = {"status": "error", **feedback.describe_exception(exc)}
+        watchdog.end()
+        record["messages"] = tracer.messages
+        record["printed"] = (tracer.printed.size, tracer.printed.text)
+        _save(workdir, index, rank, record)
+        if record["status"] == "not_done" or (record["status"] != "ok"
+                                              and not _everyone_reported(workdir, index, world_size)):
+            # Some rank is still inside the case, waiting for this one: end the launch.
+            raise _CaseStopped()
+        # Every rank finished this case (some with an error): nobody waits, and the tags keep any
+        # message it left behind out of the next case, so go on without a new launch.
+    return None
+
+
+def _everyone_reported(workdir, index, world_size, wait: float = 0.3) -> bool:
+    deadline = time.monotonic() + wait
+    while True:
+        if all(os.path.exists(_path(workdir, index, r)) for r in range(world_size)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------------------------------
+# In the notebook
+# --------------------------------------------------------------------------------------------------
+
+
+def _launch_quietly(*args, **kwargs):
+    """course_lib.launch with the ranks' relayed output kept out of the notebook (and out of stderr,
+    which nbgrader would read as a failed test)."""
+    from course_lib.launch import LaunchError, launch
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        try:
+            launch(*args, **kwargs)
+            return None
+        except LaunchError as err:
+            return err
+
+
+def _states_of(records, stuck, world_size):
+    states = {}
+    for rank in range(world_size):
+        if records[rank] is not None and records[rank]["status"] == "ok":
+            states[rank] = {"kind": "finished", "call": None, "peer": None, "where": "", "printed": 0}
+        elif stuck[rank] is not None:
+            s = stuck[rank]
+            kind = "blocked" if s["call"] else ("running" if s["in_learner"] else "finished")
+            states[rank] = {"kind": kind, "call": s["call"], "peer": s["peer"], "where": s["where"],
+                            "printed": s["printed"][0]}
+        else:
+            states[rank] = {"kind": "unknown", "call": None, "peer": None, "where": "", "printed": 0}
+    return states
+
+
+def _failed_case(exercise, case, records, stuck, launch_error, case_timeout):
+    """Explain a case that did not finish on every rank. Returns (CaseResult, what to do next)."""
+    G = case.world_size
+    function = exercise.answer_name
+    statuses = {r: rec["status"] for r, rec in enumerate(records) if rec is not None}
+    printed = {r: rec["printed"][0] for r, rec in enumerate(records) if rec is not None}
+    printed.update({r: s["printed"][0] for r, s in enumerate(stuck) if s is not None})
+    loud = feedback.explain_printing(printed)
+    if "not_done" in statuses.values():
+        who = next(rec["function"] for rec in records if rec is not None and rec["status"] == "not_done")
+        return None, feedback.NOT_DONE.format(function=who or function)
+    problems = []
+    if "forbidden" in statuses.values():
+        what = {r: rec["what"] for r, rec in enumerate(records) if rec is not None and rec["status"] == "forbidden"}
+        problems.append(Problem(feedback.explain_forbidden(what, function, G), order=(-1,)))
+        follow = "next"
+    elif "error" in statuses.values():
+        errors = {r: rec for r, rec in enumerate(records) if rec is not None and rec["status"] == "error"}
+        problems.append(Problem(feedback.explain_errors(errors, function, G), order=(-1,)))
+        follow = "next"
+    elif any(s is not None for s in stuck):
+        # The messages sent before the case hung often show the mistake that made it hang.
+        partial = [rec if rec is not None and rec["status"] == "ok" else stuck[r] for r, rec in enumerate(records)]
+        if all(p is not None for p in partial):
+            try:
+                problems.extend(exercise.judge(case, partial, complete=False))
+            except Exception:  # noqa: BLE001 - a partial trace the judge cannot read adds nothing
+                pass
+        problems.sort(key=lambda p: p.order)
+        problems.append(Problem(feedback.explain_stuck(_states_of(records, stuck, G), function, case_timeout),
+                                order=(99,)))
+        follow = "skip"
+    else:
+        text = str(launch_error) if launch_error is not None else "the ranks stopped without a report"
+        problems.append(Problem(f"the ranks failed: {text}", order=(-1,)))
+        follow = "next"
+    if loud:
+        problems.insert(0, Problem(loud, order=(-2,)))
+    return CaseResult(case, "failed", problems[:1] + problems[1:]), follow
+
+
+def _judge(exercise, case, records):
+    loud = feedback.explain_printing({r: rec["printed"][0] for r, rec in enumerate(records)})
+    try:
+        problems = sorted(exercise.judge(case, records), key=lambda p: p.order)
+    except Exception as exc:  # noqa: BLE001 - e.g. a return value of a type nobody expected
+        problems = [Problem(f"the check could not read what {exercise.answer_name} produced "
+                            f"({type(exc).__name__}: {exc})")]
+    if loud:
+        problems.insert(0, Problem(loud, order=(-2,)))
+    return CaseResult(case, "failed" if problems else "passed", problems, records)
+
+
+def run_function(exercise, fn, hidden: bool = False, *, case_timeout: float | None = None,
+                 budget: float | None = None, cases=None) -> Outcome:
+    """Run every case of `exercise` on `fn`; batch the cases of one world size into one launch.
+
+    Args:
+        case_timeout, budget: seconds per case and for the whole check (default: CASE_TIMEOUT, BUDGET).
+        cases: run these cases instead of the exercise's own (tests use a few to stay fast).
+    """
+    case_timeout = CASE_TIMEOUT if case_timeout is None else case_timeout
+    budget = BUDGET if budget is None else budget
+    cases = exercise.cases(hidden) if cases is None else list(cases)
+    by_size: dict[int, list] = {}
+    for index, case in enumerate(cases):
+        by_size.setdefault(case.world_size, []).append(index)
+    results: dict[int, CaseResult] = {}
+    deadline = time.monotonic() + budget
+    for world_size in sorted(by_size):
+        todo = by_size[world_size]
+        while todo:
+            if time.monotonic() > deadline:
+                for index in todo:
+                    results[index] = CaseResult(cases[index], "not run", [Problem(
+                        f"not run: the check ran out of its {budget:g} s (earlier cases hung).")])
+                break
+            workdir = tempfile.mkdtemp(prefix="course_lib-check-")
+            try:
+                batch = [cases[i] for i in todo]
+                backstop = case_timeout * (len(batch) + 1) + 10
+                error = _launch_quietly(_rank_main, world_size,
+                                        args=(exercise.name, fn, batch, todo[0], workdir, case_timeout),
+                                        backend="gloo", timeout=backstop)
+                next_todo = []
+                for position, index in enumerate(todo):
+                    records = [_load(workdir, index, r) for r in range(world_size)]
+                    if all(rec is not None and rec["status"] == "ok" for rec in records):
+                        results[index] = _judge(exercise, cases[index], records)
+                        continue
+                    stuck = [_load(workdir, index, r, "stuck") for r in range(world_size)]
+                    result, follow = _failed_case(exercise, cases[index], records, stuck, error, case_timeout)
+                    if result is None:
+                        return Outcome([], not_done=follow)
+                    results[index] = result
+                    if all(rec is not None for rec in records):
+                        continue          # every rank reported and went on to the next case
+                    rest = todo[position + 1:]
+                    if follow == "skip":
+                        for later in rest:
+                            results[later] = CaseResult(cases[later], "not run", [Problem(
+                                f"not run: an earlier case with G={world_size} hung, and each would cost "
+                                f"{case_timeout:g} s more.")])
+                    else:
+                        next_todo = rest
+                    break
+                todo = next_todo
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+    return Outcome([results[i] for i in range(len(cases))])

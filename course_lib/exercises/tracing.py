@@ -1,0 +1,391 @@
+"""Watch a learner's function from inside a rank: every message it sent, and what the message carried.
+
+The check cannot trust the learner's own labels (chunk=, phase, step), so it traces one level lower,
+at `torch.distributed` itself. While a `Tracer` is active on a rank:
+
+* ``dist.send / recv / isend / irecv`` are wrapped. `course_lib.p2p` calls them by attribute, so one
+  wrapper sees a learner who uses p2p and one who calls torch.distributed directly. A send is logged
+  with a copy of the data it carried, taken at send time; a receive with its peer and size. The
+  wrappers also write the rank's status line (`course_lib._rankstate`), so a deadlock in a raw
+  ``dist.recv`` is explained like one in `p2p.recv`, and they add ``case * TAG_STRIDE`` to the tag:
+  a message a broken case left behind can never be received by the next case.
+* the built-in collectives (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``,
+  ...) and course_lib's own implementations (`course_lib.collectives`, `course_lib.allreduce`, and for
+  the training exercise `course_lib.training`) raise `ForbiddenCall`: an exercise is to write them.
+  Names the learner imported directly (``from torch.distributed import send``) are found in the
+  function's globals and swapped too; a course_lib implementation reached any other way is still
+  caught, because every message it sends passes the wrapper, which looks at the call stack.
+* what the learner prints goes to a `CappedWriter` (kept up to a limit, counted beyond it).
+
+Everything is undone when the tracer exits. Outside a launched rank nothing here is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import linecache
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import course_lib
+from course_lib import _rankstate
+
+__all__ = ["Message", "ForbiddenCall", "CappedWriter", "Tracer", "learner_frame", "describe_line", "is_learner_file", "TAG_STRIDE",
+           "FORBIDDEN_BUILTINS"]
+
+P2P_CALLS = ("send", "recv", "isend", "irecv")
+# Built-ins that compute what the exercises ask the learner to compute (barrier and the queries
+# get_rank / get_world_size stay allowed: they move no data).
+FORBIDDEN_BUILTINS = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "all_gather_single", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all", "all_to_all_single", "gather", "scatter", "batch_isend_irecv",
+    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
+)
+TAG_STRIDE = 1_000_000  # gloo tags are 32-bit: room for 4000 cases of a million tags each
+# Public functions of the forbidden course_lib modules that compute nothing an exercise asks for:
+# helpers a learner may use.
+HELPERS = {"chunk_sizes", "owned_chunk", "make_mlp", "make_spirals", "make_regression", "progress_bar",
+           "flat_parameters", "shard_indices", "split_batches", "steps_per_epoch", "global_batches",
+           "simulate_stale_sgd", "split_sequential", "train_single_process"}
+
+_COURSE_LIB_DIR = os.path.dirname(os.path.abspath(course_lib.__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
+
+
+class ForbiddenCall(BaseException):
+    """The learner's function called something the exercise asks them to write themselves.
+
+    A BaseException, so that a learner's ``except Exception`` cannot swallow it.
+    """
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+@dataclass
+class Message:
+    """One point-to-point call as the rank that made it saw it.
+
+    Attributes:
+        op: 'send', 'isend', 'recv' or 'irecv'.
+        peer: the other rank (for a receive from any source, the rank it came from; None for an
+            irecv from any source).
+        numel: elements in the message.
+        data: for sends, a copy of what was sent (taken when the call was made); None for receives.
+        tag: the tag the learner passed.
+    """
+
+    op: str
+    peer: int | None
+    numel: int
+    data: torch.Tensor | None = None
+    tag: int = 0
+
+    @property
+    def is_send(self) -> bool:
+        return self.op in ("send", "isend")
+
+
+class CappedWriter:
+    """A text stream that keeps the first `limit` characters written to it and counts the rest."""
+
+    def __init__(self, limit: int = 4000):
+        self.limit, self.size, self._kept = limit, 0, []
+
+    def write(self, text) -> int:
+        text = str(text)
+        room = self.limit - sum(len(t) for t in self._kept)
+        if room > 0:
+            self._kept.append(text[:room])
+        self.size += len(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def text(self) -> str:
+        return "".join(self._kept)
+
+
+def is_learner_file(path: str) -> bool:
+    """True for code the learner wrote: not course_lib's, torch's, the standard library's or a package's."""
+    path = os.path.abspath(path) if path and not path.startswith("<") else (path or "")
+    return not (path.startswith(_COURSE_LIB_DIR) or path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR)
+                or "site-packages" in path or path.startswith("<frozen"))
+
+
+def learner_frame(frame) -> str:
+    """'line 12 in ring_scatter_reduce: dist.recv(buf, left)' for the innermost frame of the learner's
+    own code at or above `frame` (a frame object or a traceback's frame list), or ''."""
+    while frame is not None:
+        code = frame.f_code
+        if is_learner_file(code.co_filename) and code.co_name != "<module>":
+            return describe_line(code, frame.f_lineno)
+        frame = frame.f_back
+    return ""
+
+
+def describe_line(code, lineno: int) -> str:
+    """'line 12 in ring_scatter_reduce: dist.recv(buf, left)' (the line number within the cell)."""
+    line = linecache.getline(code.co_filename, lineno).strip()
+    return f"line {lineno} in {code.co_name}" + (f": {line}" if line else "")
+
+
+def _course_lib_function(forbidden_modules) -> str | None:
+    """The outermost course_lib function of a forbidden module on the current call stack, if any."""
+    found = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_COURSE_LIB_DIR):
+            module = os.path.relpath(path, _COURSE_LIB_DIR).replace(os.sep, ".").removesuffix(".py")
+            if module.split(".")[0] in forbidden_modules:
+                found = f"course_lib.{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return found
+
+
+_CHECKS_FILE = os.path.join(_COURSE_LIB_DIR, "_checks.py")
+
+
+def _called_from_checks() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == _CHECKS_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deliver(landing, tensor) -> None:
+    """Copy what arrived in a landing buffer into the learner's receive buffer (no-op without one)."""
+    if landing is not None:
+        tensor.view(-1).copy_(landing[: tensor.numel()])
+
+
+class _TracedWork:
+    """Stands in for the Work object an isend/irecv returns: `wait()` sets the status line, and an
+    irecv's message is copied from its landing buffer into the learner's tensor once it has arrived."""
+
+    def __init__(self, work, tracer, call, peer, description, landing=None, tensor=None):
+        self._work, self._tracer, self._blocked = work, tracer, (call, peer, description)
+        self._landing, self._tensor = landing, tensor
+
+    def _arrived(self):
+        _deliver(self._landing, self._tensor)
+        self._landing = None  # once: gloo hangs on a second wait, and a later copy would undo the learner's edits
+
+    def wait(self, *args, **kwargs):
+        with self._tracer.blocked_in(*self._blocked):
+            result = self._work.wait(*args, **kwargs)
+        self._arrived()
+        return result
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        if done:
+            self._arrived()
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class Tracer:
+    """Trace, police and quieten one learner call on this rank (a context manager).
+
+    Args:
+        case_index: which case of the launch this is; offsets the tags.
+        forbidden_modules: course_lib modules the learner must not call ('collectives', 'allreduce',
+            'training').
+        namespaces: dicts (e.g. the learner function's ``__globals__``) in which names bound to the
+            original torch.distributed functions or to forbidden course_lib functions are swapped
+            for the tracer's versions while it is active.
+        print_limit: characters of the learner's printing to keep.
+
+    After the block: ``messages`` (list of `Message`), ``printed`` (a `CappedWriter`).
+    """
+
+    def __init__(self, case_index: int = 0, forbidden_modules=("collectives", "allreduce"), namespaces=(),
+                 print_limit: int = 4000, largest_message: int = 0):
+        self.case_index = case_index
+        self.largest_message = largest_message
+        self.forbidden_modules = tuple(forbidden_modules)
+        self.namespaces = [ns for ns in namespaces if isinstance(ns, dict)]
+        self.messages: list[Message] = []
+        self.printed = CappedWriter(print_limit)
+        # (call, peer, description, learner line) of the call this rank is blocked in, read by the watchdog
+        self.blocked: tuple | None = None
+        self._undo: list = []
+        self._exit_stack = None
+
+    # -- status ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def blocked_in(self, call: str, peer, description: str):
+        """Mark this rank as blocked in `call` for the block. If the call fails (a peer died, the case
+        is being stopped), the mark stays: it is what the watchdog reports."""
+        self.blocked = (call, peer, description, learner_frame(sys._getframe(2)))
+        if _rankstate.is_active():
+            _rankstate.set_blocked(description)
+        yield
+        self.blocked = None
+        _rankstate.clear()
+
+    # -- wrappers ---------------------------------------------------------------------------------
+
+    def _landing(self, tensor):
+        """A zeroed buffer with room for the largest message of the case, for a receive into `tensor`.
+
+        gloo aborts the whole process when a message is longer than the receive buffer, which is the
+        usual result of sending the wrong chunk when chunks differ in size: the rank would die with a
+        C++ message and take its trace with it. Received into a buffer with room to spare, the message
+        lands, the learner's buffer gets its first `tensor.numel()` elements (zeros where the message
+        was shorter), the result goes wrong, and the check explains the wrong step from the trace.
+        None (receive as asked) where a landing buffer cannot help: not a contiguous tensor (torch
+        refuses it with its own message), or no message of the case can be longer than the buffer.
+        """
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+            return None
+        room = max(self.largest_message, *(m.numel for m in self.messages if m.is_send), 0)
+        if room <= tensor.numel():
+            return None
+        return torch.zeros(room, dtype=tensor.dtype, device=tensor.device)
+
+    def _check_allowed(self):
+        name = _course_lib_function(self.forbidden_modules)
+        if name is not None:
+            raise ForbiddenCall(name)
+
+    def _p2p_wrapper(self, name, original):
+        signature = inspect.signature(original)
+        peer_name = "dst" if name in ("send", "isend") else "src"
+        tracer = self
+
+        def wrapper(*args, **kwargs):
+            tracer._check_allowed()
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            tensor, peer = bound.arguments["tensor"], bound.arguments.get(peer_name)
+            if peer is None:
+                peer = bound.arguments.get("group_" + peer_name)
+            tag = bound.arguments.get("tag") or 0
+            bound.arguments["tag"] = tag + tracer.case_index * TAG_STRIDE
+            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
+            description = (f"{name}({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''}"
+                           + (f", tag={tag}" if tag else "") + ")")
+            if name in ("send", "isend"):
+                data = tensor.detach().clone().cpu() if isinstance(tensor, torch.Tensor) else None
+                tracer.messages.append(Message(name, peer, numel, data, tag))
+            if name == "send":
+                with tracer.blocked_in(name, peer, description):
+                    return original(*bound.args, **bound.kwargs)
+            landing = tracer._landing(tensor) if name in ("recv", "irecv") else None
+            if landing is not None:
+                bound.arguments["tensor"] = landing
+            if name == "recv":
+                with tracer.blocked_in(name, peer, description):
+                    sender = original(*bound.args, **bound.kwargs)
+                _deliver(landing, tensor)
+                tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
+                return sender
+            work = original(*bound.args, **bound.kwargs)
+            if name == "irecv":
+                tracer.messages.append(Message("irecv", peer, numel, None, tag))
+            if work is None:
+                return work
+            return _TracedWork(work, tracer, f"{name}.wait", peer,
+                               f"{name}.wait({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''})",
+                               landing=landing, tensor=tensor)
+
+        wrapper.__name__ = wrapper.__qualname__ = name
+        wrapper.__doc__ = original.__doc__
+        wrapper.__wrapped__ = original
+        return wrapper
+
+    @staticmethod
+    def _refusal(what, original=None):
+        def refuse(*args, **kwargs):
+            if original is not None and _called_from_checks():
+                # course_lib's argument guard (course_lib._checks) agrees on a few integers with a
+                # built-in all_gather inside functions the exercise allows (course_lib.p2p is checked
+                # elsewhere; forbidden course_lib functions are refused by name and by their messages).
+                return original(*args, **kwargs)
+            raise ForbiddenCall(what)
+
+        refuse.__name__ = what.rsplit(".", 1)[-1]
+        return refuse
+
+    # -- context manager --------------------------------------------------------------------------
+
+    def _swap(self, owner, name, value):
+        if isinstance(owner, dict):
+            self._undo.append((owner, name, owner[name]))
+            owner[name] = value
+        else:
+            self._undo.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+
+    def __enter__(self):
+        replacements = {}  # id(original object) -> replacement
+        for name in P2P_CALLS:
+            original = getattr(dist, name)
+            replacement = self._p2p_wrapper(name, original)
+            replacements[id(original)] = replacement
+            self._swap(dist, name, replacement)
+        # Building a batch of P2P operations is the first step of batch_isend_irecv.
+        replacements[id(dist.P2POp)] = self._refusal("torch.distributed.batch_isend_irecv (its P2POp)")
+        self._swap(dist, "P2POp", replacements[id(dist.P2POp)])
+        for name in FORBIDDEN_BUILTINS:
+            if hasattr(dist, name):
+                original = getattr(dist, name)
+                replacement = self._refusal(f"torch.distributed.{name}", original)
+                replacements[id(original)] = replacement
+                self._swap(dist, name, replacement)
+        import importlib
+
+        for module_name in self.forbidden_modules:
+            module = importlib.import_module(f"course_lib.{module_name}")
+            for name in getattr(module, "__all__", ()):
+                value = getattr(module, name, None)
+                if inspect.isfunction(value) and name not in HELPERS:
+                    replacement = self._refusal(f"course_lib.{module_name}.{name}")
+                    replacements[id(value)] = replacement
+                    self._swap(module, name, replacement)
+        for namespace in self.namespaces:
+            for name, value in list(namespace.items()):
+                if id(value) in replacements and not isinstance(value, (int, str)):
+                    self._swap(namespace, name, replacements[id(value)])
+        self._exit_stack = contextlib.ExitStack()
+        self._exit_stack.enter_context(contextlib.redirect_stdout(self.printed))
+        self._exit_stack.enter_context(contextlib.redirect_stderr(self.printed))
+        return self
+
+    def __exit__(self, *exc):
+        self._exit_stack.close()
+        for owner, name, value in reversed(self._undo):
+            if isinstance(owner, dict):
+                owner[name] = value
+            else:
+                setattr(owner, name, value)
+        self._undo.clear()
+        return False
+
+    # -- reading the trace ------------------------------------------------------------------------
+
+    @property
+    def sends(self) -> list[Message]:
+        return [m for m in self.messages if m.is_send]

@@ -1,0 +1,136 @@
+"""The student notebooks in assignments/: up to date with notebooks/, free of solutions, and usable by
+nbgrader's own generate_assignment and autograde (the instructor's other route)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("make_assignments", ROOT / "tools" / "make_assignments.py")
+make_assignments = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_assignments)
+
+
+def test_assignments_are_up_to_date_with_the_notebooks():
+    sources = make_assignments.sources()
+    assert {p.name for p in sources} >= {"04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb"}
+    on_disk = sorted(p.name for p in (ROOT / "assignments").glob("*.ipynb"))
+    assert on_disk == sorted(p.name for p in sources), "run: python tools/make_assignments.py"
+    for path in sources:
+        assert (ROOT / "assignments" / path.name).read_text() == make_assignments.assignment_text(path), \
+            f"assignments/{path.name} is out of date: run python tools/make_assignments.py"
+
+
+@pytest.mark.parametrize("name", ["04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb"])
+def test_a_student_notebook_keeps_the_lesson_and_loses_the_solutions(name):
+    source = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    student = nbformat.read(ROOT / "assignments" / name, as_version=4)
+    assert [c.get("id") for c in student.cells] == [c.get("id") for c in source.cells]
+    assert [c.metadata.get("nbgrader") for c in student.cells] == [c.metadata.get("nbgrader") for c in source.cells]
+    for before, after in zip(source.cells, student.cells):
+        if after.cell_type == "markdown":
+            if "badges" in after.metadata.get("tags", []):   # the student copy opens itself in Colab
+                assert f"assignments/{name}" in after.source and f"notebooks/{name}" in before.source
+            else:
+                assert after.source == before.source
+            continue
+        assert after.outputs == [] and after.execution_count is None
+        assert "SOLUTION" not in after.source and "HIDDEN TESTS" not in after.source
+        if "### BEGIN SOLUTION" in before.source:
+            assert 'raise NotImplementedError("your code here")' in after.source
+            assert after.source.split("\n")[0] == before.source.split("\n")[0]   # the def line stays
+        else:
+            assert after.source == make_assignments.clear_solutions(before.source)
+    assert "widgets" not in student.metadata
+
+
+def test_solution_regions_become_stubs_at_their_indentation():
+    clear = make_assignments.clear_solutions
+    assert clear("def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n") == \
+        'def f(x):\n    y = 1\n    raise NotImplementedError("your code here")\n'
+    assert clear("### BEGIN SOLUTION\nanswer = 2 * (G - 1)\nother: int = 3\n### END SOLUTION\nprint(answer)") == \
+        "answer = ...  # your answer here\nother = ...  # your answer here\nprint(answer)"
+    assert clear("a = 1\n### BEGIN HIDDEN TESTS\na = 2\n### END HIDDEN TESTS\nb = a") == "a = 1\nb = a"
+    for broken in ("### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION", "### BEGIN SOLUTION\nprint(1)\n### END SOLUTION"):
+        with pytest.raises(make_assignments.MarkerError):
+            clear(broken)
+
+
+def test_making_the_student_version_commutes_with_stamping_the_notebooks():
+    """Another tool adds an install cell and a badge to every notebook: before or after, same result."""
+    source = nbformat.read(ROOT / "notebooks" / "04_ring_scatter_reduce.ipynb", as_version=4)
+    original = copy.deepcopy(source)
+
+    def stamp(notebook):
+        notebook = copy.deepcopy(notebook)
+        notebook.cells.insert(0, nbformat.v4.new_markdown_cell("[Open in Colab](https://example.org)", id="badge"))
+        notebook.cells[1].source = "%pip install -q course_lib\n" + notebook.cells[1].source
+        return notebook
+
+    one = make_assignments.make_student(stamp(source))
+    other = stamp(make_assignments.make_student(source))
+    assert nbformat.writes(one) == nbformat.writes(other)
+    assert source == original                                   # a pure function: the input is untouched
+
+
+# --------------------------------------------------------------------------------------------------
+# nbgrader, the instructor's other route
+# --------------------------------------------------------------------------------------------------
+
+
+def _nbgrader(course, *args):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    done = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--force"], cwd=course, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _submit(course, student, notebook):
+    folder = course / "submitted" / student / "ring"
+    folder.mkdir(parents=True)
+    nbformat.write(notebook, folder / "04_ring_scatter_reduce.ipynb")
+
+
+def test_nbgrader_generates_the_assignment_and_autogrades_with_partial_credit(tmp_path):
+    pytest.importorskip("nbgrader", reason="nbgrader is pinned in requirements/test.txt")
+    from nbgrader.api import Gradebook
+
+    course = tmp_path / "course"
+    (course / "source" / "ring").mkdir(parents=True)
+    (course / "nbgrader_config.py").write_text(
+        "c = get_config()\nc.CourseDirectory.course_id = 'course_lib'\n"
+        f"c.CourseDirectory.root = {str(course)!r}\nc.ExecutePreprocessor.timeout = 300\n")
+    source_path = ROOT / "notebooks" / "04_ring_scatter_reduce.ipynb"
+    (course / "source" / "ring" / source_path.name).write_text(source_path.read_text())
+    _nbgrader(course, "generate_assignment", "ring")
+    released = nbformat.read(course / "release" / "ring" / source_path.name, as_version=4)
+    solution = next(c for c in released.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "ring_scatter_reduce")
+    assert "raise NotImplementedError" in solution.source
+
+    def answered(body):
+        notebook = copy.deepcopy(released)
+        cell = next(c for c in notebook.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "ring_scatter_reduce")
+        cell.source = cell.source.replace("# YOUR CODE HERE\n    raise NotImplementedError()", body)
+        return notebook
+
+    right = "\n".join(line for line in next(
+        c for c in nbformat.read(source_path, as_version=4).cells
+        if c.metadata.get("nbgrader", {}).get("grade_id") == "ring_scatter_reduce").source.split("\n")[3:]
+        if "SOLUTION" not in line).strip()
+    _submit(course, "plain", released)
+    _submit(course, "solved", answered(right))
+    _submit(course, "wrong_return", answered(right.replace("return (rank + 1) % G", "return rank")))
+    _nbgrader(course, "autograde", "ring", "--create")
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        scores = {student: gradebook.find_submission("ring", student).score
+                  for student in ("plain", "solved", "wrong_return")}
+    assert scores["plain"] == 0 and scores["solved"] == 10
+    assert 0 < scores["wrong_return"] < 10          # nbgrader read the check cell's number: partial credit

@@ -1,0 +1,253 @@
+"""course_lib.exercises: correct solutions in any style get full marks, planted bugs lose points with the
+right first problem, and nothing a learner's code does can hang a check or leave a process behind.
+
+The function checks run here on a few world sizes (1 and 3, or 1, 3 and 5, hidden cases included) with a
+short case timeout, to stay fast; benchmarks/exercise_catch_rate.py runs every bug on every hidden case
+through the public `exercises.check` and measures the catch rate and the time.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import course_lib  # noqa: E402
+import planted_bugs as pb  # noqa: E402
+from course_lib import allreduce, exercises, traffic  # noqa: E402
+from course_lib.exercises import feedback, questions, registry, runner  # noqa: E402
+from course_lib.exercises.report import Result  # noqa: E402
+from course_lib.viz import traffic_plots  # noqa: E402
+
+
+def _run(entry, sizes=(1, 3), case_timeout=2.0):
+    exercise = registry.get(entry.exercise)
+    cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
+    outcome = runner.run_function(exercise, entry.fn, cases=cases, case_timeout=case_timeout)
+    assert outcome.not_done is None, outcome.not_done
+    return Result.of_cases(exercise, outcome.cases, hidden=True), outcome
+
+
+def _children():
+    """Live child processes of this process (zombies included: they were not reaped)."""
+    me, children = os.getpid(), []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            children.append(int(stat.parent.name))
+    return children
+
+
+# --------------------------------------------------------------------------------------------------
+# Function exercises
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_planted_catalogue_covers_every_function_exercise_and_enough_bugs():
+    functions = {e.name for e in registry.all_exercises() if e.kind == "function"}
+    assert {e.exercise for e in pb.CORRECT} == functions
+    assert {e.exercise for e in pb.BUGS} == functions
+    assert len(pb.BUGS) >= 20
+    assert all(e.expect for e in pb.BUGS)
+
+
+@pytest.mark.parametrize("entry", pb.CORRECT, ids=lambda e: f"{e.exercise}-{e.name}")
+def test_correct_solutions_in_every_style_get_full_marks(entry):
+    result, outcome = _run(entry, sizes=(1, 3, 5))
+    assert result.score == result.max_score, repr(result)
+    assert result.passed and result.status == "passed"
+
+
+@pytest.mark.parametrize("entry", pb.BUGS, ids=lambda e: f"{e.exercise}-{e.name}")
+def test_planted_bugs_lose_points_and_the_first_problem_names_them(entry):
+    started = time.monotonic()
+    result, outcome = _run(entry)
+    assert result.score < result.max_score, repr(result)
+    first = next(c for c in outcome.cases if not c.passed).problems[0].message
+    assert entry.expect in first, first
+    # The report's text names the same first problem, and says nothing that changes from run to run.
+    text = repr(result)
+    assert first.splitlines()[0] in text
+    assert not re.search(r"0x[0-9a-f]{6,}|\d+\.\d+ ?s\b|/tmp/", text), text
+    assert time.monotonic() - started < 60
+    assert _children() == []
+
+
+def test_partial_credit_spreads_points_over_cases():
+    # Floor-division chunks are right exactly when G divides N: some cases pass, others do not.
+    result, outcome = _run(pb.Entry("ring_scatter_reduce", pb.rs_floor_division), sizes=(1, 3, 5))
+    passed = [c.case for c in outcome.cases if c.passed]
+    assert passed and len(passed) < len(outcome.cases)
+    assert all(c.numel % c.world_size == 0 for c in passed)
+    assert result.score == round(10 * len(passed) / len(outcome.cases), 2)
+
+
+def test_a_hung_check_leaves_nothing_behind_and_the_next_check_is_unaffected():
+    started = time.monotonic()
+    broken, _ = _run(pb.Entry("ring_scatter_reduce", pb.rs_deadlock), sizes=(2, 3))
+    assert "deadlock" in repr(broken) and time.monotonic() - started < 30
+    assert _children() == []
+    fine, _ = _run(pb.Entry("ring_scatter_reduce", pb.rs_isend_recv), sizes=(2, 3))
+    assert fine.passed, repr(fine)
+
+
+def test_a_deadlock_names_the_ranks_waiting_for_each_other_and_where():
+    _, outcome = _run(pb.Entry("ring_scatter_reduce", pb.rs_deadlock), sizes=(2,))
+    message = outcome.cases[0].problems[-1].message
+    assert "ranks 0 and 1 were both blocked in recv from each other: deadlock" in message
+    assert "dist.recv(buffer, (rank - 1) % G)" in message          # the learner's own line
+    assert [c.status for c in outcome.cases[1:]] == ["not run"] * (len(outcome.cases) - 1)
+
+
+def test_the_ring_picture_shows_the_failing_step():
+    result, outcome = _run(pb.Entry("ring_scatter_reduce", pb.rs_off_by_one_chunk), sizes=(3,))
+    first = next(c for c in outcome.cases if not c.passed)
+    figure = registry.get("ring_scatter_reduce").picture(first.case, first.records, first.problems[0])
+    assert [ax.get_title() for ax in figure.axes] == ["yours, after scatter-reduce step 0",
+                                                      "the ring's, after step 0"]
+    html = result._repr_html_()
+    assert "data:image/png;base64," in html and "the ring sends chunk 0" in html
+
+
+def test_an_unfinished_exercise_is_not_done_yet_not_an_error():
+    def ring_scatter_reduce(tensor):
+        raise NotImplementedError("your code here")
+
+    started = time.monotonic()
+    result = exercises.check("ring_scatter_reduce", ring_scatter_reduce, hidden=True)
+    assert (result.score, result.status) == (0.0, "not done")
+    assert "not done yet: ring_scatter_reduce still raises NotImplementedError" in repr(result)
+    assert time.monotonic() - started < 10
+    assert exercises.check("ring", ...).status == "not done"
+    assert exercises.check("traffic_ring", ...).status == "not done"
+
+
+def test_the_visible_check_of_a_correct_ring_passes_on_every_world_size_up_to_8():
+    result = exercises.check("ring", pb.ring_a)
+    assert result.passed, repr(result)
+    assert {c.case.world_size for c in result.cases} == {1, 2, 3, 4, 5, 8}
+    assert any(c.case.numel % c.case.world_size for c in result.cases)
+    assert {c.case.data for c in result.cases} == {"tagged", "random"}
+    hidden = registry.get("ring").cases(hidden=True)
+    assert {c.world_size for c in hidden} == set(range(1, 9)) and len(hidden) > len(result.cases)
+    assert repr(result) == ("ring: 5/5 points, all 11 cases passed (G = 1, 2, 3, 4, 5, 8)")
+    assert result.to_dict() == {"name": "ring", "score": 5.0, "max_score": 5.0, "output": repr(result)}
+
+
+def test_bad_calls_of_check_are_explained():
+    with pytest.raises(ValueError, match="Did you mean 'ring_all_gather'"):
+        exercises.check("ring_allgather", print)
+    with pytest.raises(TypeError, match="pass the function itself"):
+        exercises.check("ring", 3)
+
+
+def test_the_list_names_every_exercise_of_the_course():
+    listing = exercises.list()
+    names = {info.name for info in listing}
+    assert {"pass_token", "broadcast", "all_gather", "naive", "parameter_server", "ring_scatter_reduce",
+            "ring_all_gather", "ring", "average_gradients", "batch_size_quiz", "traffic_naive",
+            "traffic_ring_per_rank"} <= names
+    assert [i.notebook[:2] for i in listing] == sorted(i.notebook[:2] for i in listing)
+    assert "04  ring_scatter_reduce" in repr(listing)
+    assert {i.name for i in exercises.list("05")} == {"ring_all_gather", "ring"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces: deadlock explanations, tracing, output caps
+# --------------------------------------------------------------------------------------------------
+
+
+def _state(kind, call=None, peer=None, where=""):
+    return {"kind": kind, "call": call, "peer": peer, "where": where, "printed": 0}
+
+
+def test_stuck_ranks_are_explained_from_what_each_was_doing():
+    both_send = feedback.explain_stuck({0: _state("blocked", "send", 1), 1: _state("blocked", "send", 0)}, "f", 4)
+    assert both_send.startswith("ranks 0 and 1 were both blocked in send to each other: deadlock")
+    orphan = feedback.explain_stuck({0: _state("finished"), 1: _state("blocked", "irecv.wait", 0)}, "f", 4)
+    assert orphan.startswith("rank 1 was blocked in recv from rank 0, but rank 0 had already returned from f")
+    loop = feedback.explain_stuck({0: _state("running", where="line 3 in f: while x: pass"),
+                                   1: _state("blocked", "recv", 0)}, "f", 4)
+    assert loop.startswith("rank 0 was still running f after 4 s, at line 3 in f: while x: pass: an endless loop?")
+    assert "rank 1: blocked in recv from rank 0" in loop
+
+
+def test_launch_shows_only_the_start_of_a_flood_of_output(capsys):
+    def loud(rank, world_size):
+        for i in range(20_000):
+            print("line", i)
+
+    course_lib.launch(loud, world_size=2, backend="gloo")
+    out = capsys.readouterr().out
+    cap = sys.modules["course_lib.launch"].MAX_OUTPUT_CHARS
+    for rank in (0, 1):  # each rank's own text, without the "[rank r] " prefixes, stops at the cap
+        shown = "".join(line.split("] ", 1)[1] + "\n" for line in out.splitlines() if line.startswith(f"[rank {rank}]"))
+        assert cap - 20 < len(shown) < cap + 200
+    assert re.search(r"\[rank 1\] \.\.\. rank 1 wrote [\d,]+ bytes to stdout in all; only the first 20,000 "
+                     r"characters are shown", out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Questions
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["G*(G-1)*N", "G(G-1)N", "(G^2 - G) N", "N*G*G - N*G", "g(g-1)n", "G × (G − 1) × N"])
+def test_formulas_are_read_as_the_course_writes_them(text):
+    assert exercises.check("traffic_naive", text).passed
+
+
+@pytest.mark.parametrize("text", ["__import__('os').getcwd()", "G.real", "open('x')", "G ** 99", "[G, N]", "x * G"])
+def test_anything_but_arithmetic_in_g_and_n_is_refused_without_running_it(text):
+    result = exercises.check("traffic_naive", text)
+    assert result.score == 0 and result.status == "failed"
+    with pytest.raises(questions.FormulaError):
+        questions.parse_formula(text)
+
+
+def test_every_question_accepts_its_answer_and_explains_the_usual_slips():
+    answers = {"batch_size_quiz": "B", "batches_per_epoch": 1, "batch_per_gpu": 32, "shard_weights": (0.25, 0.75),
+               "naive_vs_master_ranks": 20, "ring_steps": "2(G-1)"}
+    # The traffic formulas as the course writes them (viz.traffic_plots.FORMULAS), e.g. "2(G-1)N/G".
+    for name, (variant, quantity) in {"traffic_naive": ("naive", "total_sent"),
+                                      "traffic_naive_per_rank": ("naive", "max_sent"),
+                                      "traffic_parameter_server": ("parameter_server", "total_sent"),
+                                      "traffic_parameter_server_root": ("parameter_server", "max_sent"),
+                                      "traffic_ring": ("ring", "total_sent"),
+                                      "traffic_ring_per_rank": ("ring", "max_sent")}.items():
+        answers[name] = traffic_plots.FORMULAS[(variant, quantity)][1]
+    questions_ = {e.name for e in registry.all_exercises() if e.kind == "question"}
+    assert set(answers) == questions_
+    for name, answer in answers.items():
+        assert exercises.check(name, answer).passed, (name, answer)
+    assert exercises.check("traffic_ring_per_rank", lambda G, N: 2 * (G - 1) * N / G).passed
+    slip = exercises.check("traffic_naive", "(G-1)*N")
+    assert "That is what one rank sends" in repr(slip) and slip.score == 0
+    assert "one phase only" in repr(exercises.check("traffic_ring_per_rank", "(G-1)N/G"))
+    assert "check time per epoch" in repr(exercises.check("batch_size_quiz", "A"))
+    assert "answer with one of the letters" in repr(exercises.check("batch_size_quiz", 2))
+    assert exercises.check("shard_weights", [0.5, 0.5]).score == 0
+
+
+def test_the_ring_steps_answer_matches_a_recorded_ring():
+    def steps(rank, world_size):
+        with traffic.record() as rec:
+            allreduce.ring(torch.arange(10.0))
+        return rec.messages_sent
+
+    for world_size in (2, 3, 5):
+        sent = course_lib.launch(steps, world_size=world_size, backend="gloo")
+        truth = questions.parse_formula("2*(G-1)")(world_size, 10)
+        assert sent == [truth] * world_size
