@@ -6,10 +6,12 @@
     collectives                 broadcast, scatter, gather, all_gather, all_to_all, reduce,
                                 all_reduce, reduce_scatter from p2p messages
     allreduce                   naive, parameter_server, ring (+ its two phases)
+    progress(iterable)          a live progress line for a long loop in a notebook (or in a rank)
 """
 
 from course_lib import allreduce, collectives, ops, p2p, traffic
 from course_lib._checks import MismatchError, unchecked
+from course_lib.live import progress
 from course_lib.launch import (
     LaunchError,
     LaunchTimeoutError,
@@ -21,10 +23,10 @@ from course_lib.launch import (
     under_torchrun,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0.dev0"
 
 __all__ = [
     "launch", "device", "run_torchrun", "under_torchrun", "resolve_backend",
     "LaunchError", "RankFailedError", "LaunchTimeoutError", "MismatchError", "unchecked",
-    "p2p", "traffic", "collectives", "allreduce", "ops",
+    "p2p", "traffic", "collectives", "allreduce", "ops", "progress",
 ]

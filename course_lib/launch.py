@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate
+from course_lib import _rankstate, _work
+from course_lib.live import LaunchStatus
 
 DEFAULT_TIMEOUT = 20.0
 # The process group's own timeout is a little longer than the launcher's watchdog, so that on a
@@ -46,6 +47,9 @@ DEFAULT_TIMEOUT = 20.0
 _GROUP_TIMEOUT_GRACE = 10.0
 _STDERR_TAIL_LINES = 20
 _FINISHED = "finished"  # status line of a rank that returned and waits for the others
+# What `launch` shows of each rank's stdout and of its stderr. A rank that prints inside a loop over
+# a million elements would otherwise pour megabytes into the notebook (and could freeze the browser).
+MAX_OUTPUT_CHARS = 20_000
 
 __all__ = [
     "launch",
@@ -56,6 +60,7 @@ __all__ = [
     "LaunchError",
     "RankFailedError",
     "LaunchTimeoutError",
+    "NothingReturned",
 ]
 
 
@@ -96,6 +101,38 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         self.blocked = blocked
 
 
+class NothingReturned(list):
+    """What `launch` returns when `fn` returned None on every rank: the list of Nones, with a hint.
+
+    Printed or shown later it says how to get values back. Shown as the value of the very notebook
+    cell that called `launch` (a cell run for what the ranks print) it shows nothing, so such cells
+    stay as quiet as a function call that returns None.
+    """
+
+    HINT = "fn returned None on every rank: end it with `return <value>` to get values back"
+
+    def __init__(self, world_size: int):
+        super().__init__([None] * world_size)
+        self._cell = _notebook_cell()
+
+    def __repr__(self) -> str:
+        return f"{list.__repr__(self)}  # {self.HINT}"
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(repr(self))
+
+    def _ipython_display_(self) -> None:
+        if self._cell is None or self._cell != _notebook_cell():
+            print(repr(self))
+
+
+def _notebook_cell():
+    """The execution count of the notebook cell running now, or None outside IPython."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return getattr(shell, "execution_count", None)
+
+
 # --------------------------------------------------------------------------------------------------
 # Choosing a backend and a start method
 # --------------------------------------------------------------------------------------------------
@@ -121,7 +158,15 @@ def resolve_backend(backend: str, world_size: int, gpus_per_node: int | None = N
     gpus = _visible_gpu_count()
     need = world_size if gpus_per_node is None else gpus_per_node
     if backend == "auto":
-        return "nccl" if gpus >= need and gpus > 0 and dist.is_nccl_available() else "gloo"
+        if gpus >= need and gpus > 0 and dist.is_nccl_available():
+            return "nccl"
+        if gpus > 0:  # a Colab GPU with 4 ranks: say why the GPU sits idle
+            _notice_once(
+                "gloo-fallback",
+                f"backend 'auto' runs the {need} ranks on the CPU with gloo: {gpus} GPU(s) visible, and NCCL "
+                "needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').",
+            )
+        return "gloo"
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise ValueError(
@@ -137,12 +182,64 @@ def resolve_backend(backend: str, world_size: int, gpus_per_node: int | None = N
     return backend
 
 
+_NOTICES_GIVEN: set = set()
+
+
+def _notice_once(key: str, text: str) -> None:
+    """Print one line about a choice launch made for the learner, the first time only (per process)."""
+    if key not in _NOTICES_GIVEN:
+        _NOTICES_GIVEN.add(key)
+        print(f"course_lib: {text}", file=sys.stderr, flush=True)
+
+
+def _autograd_device_threads() -> list[str]:
+    """Names of autograd's per-device worker threads running in this process (Linux only, else []).
+
+    On a PyTorch build with GPUs, the first backward() starts one thread per device, named
+    "pt_autograd_<device>" (c10::setThreadName in torch/csrc/autograd/engine.cpp). A forked child
+    inherits the engine's state but not those threads, and its own backward() then fails with
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing".
+    """
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            continue
+        if name.startswith("pt_autograd_"):
+            names.append(name)
+    return sorted(names)
+
+
+def _why_not_fork() -> tuple[str, str] | None:
+    """(what, why) forking this process would break the ranks, or None if fork is safe."""
+    if torch.cuda.is_initialized():
+        return "cuda", ("CUDA is already initialised in this process (a cell used the GPU), "
+                        "and a forked rank cannot use it")
+    threads = _autograd_device_threads()
+    if threads:
+        return "autograd", (f"autograd's GPU threads ({', '.join(threads)}) run in this process since a backward() "
+                            "here, and a forked rank's backward() would fail")
+    return None
+
+
 def _start_method() -> str:
     # fork is fast (no new interpreter, no torch import) and carries functions defined in a notebook.
-    # It is unsafe once CUDA is initialised in this process, and not offered on Windows; there we
-    # spawn fresh interpreters and ship the function with cloudpickle instead.
-    if sys.platform.startswith("linux") and not torch.cuda.is_initialized():
+    # It is not offered on Windows and macOS, and it breaks the ranks once this process has touched
+    # the GPU (_why_not_fork); there we spawn fresh interpreters and ship the function with
+    # cloudpickle instead. The learner is told once why their launches got slower.
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    reason = _why_not_fork()
+    if reason is None:
         return "fork"
+    what, why = reason
+    _notice_once(f"spawn-{what}", f"launch starts the ranks with spawn, not fork: {why}.")
     return "spawn"
 
 
@@ -230,7 +327,14 @@ def _die_with_parent() -> None:
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except Exception:
-        pass
+        return
+    # A spawned rank gets here only after importing torch (seconds): if the launcher died in the
+    # meantime (a kernel restart), the signal above will never come, so leave now.
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
 
 
 def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
@@ -241,8 +345,8 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
     _redirect_output(files)
     faulthandler.enable(file=sys.stderr)  # a fatal signal (gloo's abort) still prints a Python stack
     stack_file = open(files.stack, "w")
-    if hasattr(faulthandler, "register"):
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    if hasattr(faulthandler, "register"):  # every thread: an async collective runs on a second one
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     _rankstate.attach(files.status)
 
     fn, args, kwargs = payload if isinstance(payload, tuple) else _cloudpickle_loads(payload)
@@ -263,6 +367,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
             timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_GRACE),
         )
         result = fn(rank, world_size, *args, **kwargs)
+        _work.finish()  # async collectives still running would race the result (and the barrier below)
         _rankstate.set_blocked(_FINISHED)
         _write_result(files, ("ok", result))
         # Nobody tears down its sockets while a neighbour may still be reading from them.
@@ -353,13 +458,16 @@ def launch(
         backend: "gloo" (CPU), "nccl" (one GPU per rank) or "auto": NCCL when there are at least
             `world_size` GPUs, else gloo.
         timeout: seconds before the launch is declared stuck; then `LaunchTimeoutError` lists what
-            every rank was blocked in.
+            every rank was blocked in. A spawned rank's start (a new interpreter importing torch) is
+            not counted, up to _SPAWN_STARTUP_LIMIT seconds.
         prefix_output: start every line a rank printed with "[rank r] ".
         start_method: "fork" or "spawn"; None picks fork on Linux (fast, carries notebook functions)
-            unless CUDA is already initialised here, else spawn (the function travels by cloudpickle).
+            unless this process has touched the GPU (CUDA initialised, or autograd's GPU threads started
+            by a backward()), else spawn (the function travels by cloudpickle) and says so once.
 
     Returns:
         A list of the ranks' return values, index = rank. CUDA tensors come back as CPU tensors.
+        When every rank returned None, a `NothingReturned` list whose printout says so.
 
     Raises:
         RankFailedError: a rank raised an exception or was killed by a signal.
@@ -391,7 +499,7 @@ def launch(
         raise ValueError(f"start_method must be None, 'fork' or 'spawn', not {start_method!r}")
     method = start_method or _start_method()
     payload = (fn, tuple(args), kwargs) if method == "fork" else _cloudpickle_dumps((fn, tuple(args), kwargs))
-    threads = max(1, (os.cpu_count() or 1) // world_size)  # 4 ranks on 2 cores: no oversubscription
+    threads = _intra_op_threads(method, world_size)
     workdir = tempfile.mkdtemp(prefix="course_lib-launch-")
     processes = []
     try:
@@ -410,16 +518,55 @@ def launch(
                 )
                 process.start()
                 processes.append(process)
-        outcome = _supervise(processes, workdir, timeout)
+        # In a notebook, a launch that runs longer than a couple of seconds shows each rank's status live.
+        with LaunchStatus(world_size, lambda r: _RankFiles(workdir, r).status, lambda r: _RankFiles(workdir, r).stdout):
+            if method == "spawn":
+                _wait_for_spawned_ranks(processes, workdir)
+            outcome = _supervise(processes, workdir, timeout)
         _relay_output(workdir, world_size, prefix_output)
         if isinstance(outcome, LaunchError):
             raise outcome
+        if all(value is None for value in outcome):
+            return NothingReturned(world_size)
         return outcome
     finally:
         _stop_all(processes)
         for process in processes:
             process.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _intra_op_threads(method: str, world_size: int) -> int:
+    """torch's intra-op threads per rank.
+
+    A forked rank gets one. GNU OpenMP does not survive a fork: once this process has run a sizeable
+    torch op (its OpenMP pool exists), a forked child that starts a parallel region of its own waits
+    forever for threads it did not inherit. With one thread torch never opens such a region. A spawned
+    rank is a fresh interpreter and shares the cores: 4 ranks on 2 cores get one thread each.
+    """
+    if method == "fork":
+        return 1
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+_SPAWN_STARTUP_LIMIT = 120.0
+
+
+def _wait_for_spawned_ranks(processes, workdir, limit: float = _SPAWN_STARTUP_LIMIT) -> None:
+    """Let spawned ranks start before the `timeout` clock runs: that clock is for the learner's `fn`.
+
+    A spawned rank is a new interpreter that imports torch before anything else: a second on a laptop,
+    tens of seconds for four ranks on Colab's two cores with its CUDA build. A rank has started once it
+    has created its stdout file. Returns when all have, when a rank has exited (`_supervise` reports
+    it), or after `limit` seconds.
+    """
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(os.path.exists(_RankFiles(workdir, rank).stdout) for rank in range(len(processes))):
+            return
+        if any(process.exitcode is not None for process in processes):
+            return
+        time.sleep(0.05)
 
 
 def _supervise(processes, workdir, timeout):
@@ -541,12 +688,24 @@ def _timeout_error(processes, workdir, timeout):
             except OSError:
                 pass
     time.sleep(0.2)
-    stacks = {rank: _user_frames(_RankFiles(workdir, rank).stack) for rank in blocked
-              if not blocked[rank].startswith("finished")}
+    stacks = {}
+    for rank in blocked:
+        if blocked[rank].startswith("finished"):
+            continue
+        main_thread = _main_thread(_read_stacks(_RankFiles(workdir, rank).stack))
+        frame = _user_frames(main_thread)
+        stacks[rank] = f"at {frame}" if frame else ""
+        if any(f.endswith(" in finish") and f"{os.sep}_work.py" in f for f in main_thread):
+            stacks[rank] = "fn has returned; the rank waits for its unfinished async collectives"
+            if not blocked[rank].startswith("blocked in"):
+                blocked[rank], stacks[rank] = "fn has returned and waits for its unfinished async collectives", ""
+        collective = _torch_collective(main_thread)
+        if collective and not blocked[rank].startswith("blocked in"):
+            blocked[rank] = f"blocked in {collective}, torch's own collective (not a course_lib send/recv)"
     _stop_all(processes)
     lines = [f"the ranks did not finish within {timeout:g} s. What each rank was doing:"]
     for rank, what in blocked.items():
-        where = f"   (at {stacks[rank]})" if stacks.get(rank) else ""
+        where = f"   ({stacks[rank]})" if stacks.get(rank) else ""
         lines.append(f"  rank {rank}: {what}{where}")
     lines.append(_diagnose(blocked))
     return LaunchTimeoutError("\n".join(lines), blocked=blocked)
@@ -565,6 +724,14 @@ def _diagnose(blocked: dict) -> str:
         rank, src = orphans[0]
         return (f"Rank {rank} waits for a message from rank {src}, which has already returned: a recv with no "
                 "matching send. Check that both sides make the same number of calls, with matching peers.")
+    in_torch = {rank: m.group(1) for rank, what in blocked.items()
+                if (m := re.match(r"blocked in (torch\.distributed\.\w+)", what))}
+    if in_torch:
+        names = sorted(set(in_torch.values()))
+        return (f"Rank(s) {sorted(in_torch)} wait inside {' / '.join(names)}: a torch.distributed collective returns "
+                "only when every rank has called it, in the same order, with tensors of the same size and dtype. "
+                "torch does not check that, so a rank that called something else, returned early, or passed a tensor "
+                "of another size leaves the others waiting.")
     if receiving and len(receiving) == len(blocked) - len(finished):
         return ("Every running rank is waiting to receive, so nobody sends: a deadlock. "
                 "Make one side send first, or post the send with isend before the recv.")
@@ -572,16 +739,62 @@ def _diagnose(blocked: dict) -> str:
             "matching send (same peer, same size), or raise `timeout` if the work is just slow.")
 
 
-def _user_frames(stack_path) -> str:
-    """The innermost frame of the rank's code that is not inside course_lib or torch."""
+def _read_stacks(stack_path) -> list[list[str]]:
+    """Every thread's Python stack from the rank's faulthandler dump: its 'File ...' lines, innermost first."""
     try:
         with open(stack_path, encoding="utf-8", errors="replace") as f:
-            frames = [line.strip() for line in f if line.strip().startswith("File ")]
+            lines = [line.strip() for line in f]
     except OSError:
-        return ""
-    # faulthandler lists the innermost frame first.
+        return []
+    stacks: list[list[str]] = []
+    for line in lines:
+        if line.startswith(("Thread 0x", "Current thread 0x", "Stack (most recent")):
+            stacks.append([])
+        elif line.startswith("File ") and stacks:
+            stacks[-1].append(line)
+    return stacks
+
+
+def _main_thread(stacks: list[list[str]]) -> list[str]:
+    """The stack of the thread running the learner's function (not course_lib's async worker)."""
+    for frames in stacks:
+        if any(frame.endswith(" in _rank_main") for frame in frames):
+            return frames
+    return stacks[0] if stacks else []
+
+
+def _inside_torch(frame: str) -> bool:
+    return ("site-packages" in frame and f"{os.sep}torch{os.sep}" in frame) or "torch/distributed/" in frame
+
+
+def _torch_collective(frames: list[str]) -> str:
+    """'torch.distributed.all_reduce' when the innermost frames are inside that torch collective, else ''.
+
+    The name is the outermost public function of distributed_c10d.py the rank is in (the one its
+    code called: all_gather_object, not the all_gather inside it).
+    """
+    names = []
+    for frame in frames:  # innermost first
+        if not _inside_torch(frame):
+            break
+        if "distributed_c10d.py" in frame:
+            name = frame.rsplit(" in ", 1)[-1]
+            if not name.startswith("_"):
+                names.append(name)
+    return f"torch.distributed.{names[-1]}" if names else ""
+
+
+def _user_frames(frames: list[str]) -> str:
+    """The innermost frame of the rank's code that is not inside course_lib, torch or threading."""
+    import threading
+
+    # faulthandler lists the innermost frame first; from the launcher's own _rank_main outwards the
+    # frames are the launcher's and, after a fork, the caller's: never the rank's code.
     for frame in frames:
-        if "site-packages/torch" in frame or os.sep + "course_lib" + os.sep in frame:
+        if frame.endswith(" in _rank_main"):
+            break
+        if ("site-packages/torch" in frame or os.sep + "course_lib" + os.sep in frame
+                or f'"{threading.__file__}"' in frame):  # Work.wait() waits on a threading.Event
             continue
         return frame.replace('File "', "").replace('", line ', ":")
     return ""
@@ -606,11 +819,17 @@ def _relay_output(workdir, world_size, prefix_output) -> None:
             path = _RankFiles(workdir, rank).path(stream_name)
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
+                    text = f.read(MAX_OUTPUT_CHARS)
+                    cut = bool(f.read(1))
+                size = os.path.getsize(path)
             except OSError:
                 continue
             if not text:
                 continue
+            if cut:
+                text = text[:text.rfind("\n") + 1] or text
+                text += (f"... rank {rank} wrote {size:,} bytes to {stream_name} in all; only the first "
+                         f"{MAX_OUTPUT_CHARS:,} characters are shown (course_lib.launch.MAX_OUTPUT_CHARS).\n")
             if prefix_output:
                 text = "".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True))
             chunks.append(text if text.endswith("\n") else text + "\n")
@@ -666,6 +885,7 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args, **kwargs)
+        _work.finish()
         everyone = [None] * world_size
         dist.all_gather_object(everyone, result)
         return everyone

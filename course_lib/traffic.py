@@ -111,11 +111,17 @@ _labels: dict = {"phase": None, "step": None}
 def record() -> Iterator[Recording]:
     """Record every p2p message of this rank inside the `with` block.
 
+    An async collective (``async_op=True``) is recorded when it was called inside the block: the
+    block waits for queued async collectives when it opens and when it closes.
+
     Yields:
         A `Recording`; it keeps filling until the block ends.
     """
     import torch.distributed as dist
 
+    from course_lib import _work
+
+    _work.drain()
     rec = Recording()
     if dist.is_available() and dist.is_initialized():
         rec.rank, rec.world_size = dist.get_rank(), dist.get_world_size()
@@ -123,6 +129,7 @@ def record() -> Iterator[Recording]:
     try:
         yield rec
     finally:
+        _work.drain()
         # By identity: recordings compare equal by content (they are dataclasses), so
         # `_active.remove(rec)` could drop an enclosing recording that saw the same events.
         _active[:] = [other for other in _active if other is not rec]

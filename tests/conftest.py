@@ -125,6 +125,35 @@ def mismatch(actual, expected, tol=None, what=""):
             f"got {a[i].item()!r}, expected {e[i].item()!r}")
 
 
+def ring_elements_sent(bucket_sizes, rank, world_size):
+    """Elements rank `rank` sends in ring all-reduces of buffers of these sizes.
+
+    Scatter-reduce sends every chunk but (rank + 1) mod G (the one it ends up owning), all-gather every
+    chunk but (rank + 2) mod G (its right neighbour's, which reaches it last); one rank sends nothing.
+    """
+    from course_lib import allreduce
+
+    total = 0
+    for numel in bucket_sizes:
+        sizes = allreduce.chunk_sizes(numel, world_size)
+        skipped = sizes[(rank + 1) % world_size] + sizes[(rank + 2) % world_size] if world_size > 1 else 2 * numel
+        total += 2 * numel - skipped
+    return total
+
+
+def step_difference(actual_steps, expected_steps, tol=None):
+    """None when two runs' per-step parameter vectors agree (bit for bit, or within `tol`), else a
+    sentence naming the first step that differs and by how much."""
+    if len(actual_steps) != len(expected_steps):
+        return f"{len(actual_steps)} steps recorded, expected {len(expected_steps)}"
+    for step, (a, e) in enumerate(zip(actual_steps, expected_steps)):
+        gap = (a.double() - e.double()).abs().max().item() if a.numel() else 0.0
+        if (tol is None and not torch.equal(a, e)) or (tol is not None and not gap < tol):
+            bound = "bit-identical" if tol is None else f"within {tol:g}"
+            return f"first difference at step {step} (0 = the initial parameters): max gap {gap:.3g}, expected {bound}"
+    return None
+
+
 def digest(tensor):
     """A fingerprint of the tensor's exact bits (to check results are bit-identical across ranks)."""
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -473,3 +473,342 @@ def test_a_timeout_says_which_ranks_already_finished_and_who_waits_for_them():
         course_lib.launch(fn, world_size=2, timeout=2)
     assert caught.value.blocked[1].startswith("finished")
     assert "waits for a message from rank 1, which has already returned" in str(caught.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# diagnostics: torch's own collectives, async collectives, functions that return nothing
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_timeout_inside_a_torch_collective_names_it():
+    def sizes_differ(rank, world_size):
+        dist.all_reduce(torch.ones(3 + rank))  # torch's own all_reduce, not course_lib's
+
+    def one_rank_skips(rank, world_size):
+        if rank == 0:
+            dist.all_gather_object([None] * world_size, rank)
+
+    with pytest.raises(course_lib.LaunchTimeoutError) as caught:
+        course_lib.launch(sizes_differ, world_size=2, timeout=2)
+    text, blocked = str(caught.value), caught.value.blocked
+    assert "running Python code" not in text
+    assert any(what.startswith("blocked in torch.distributed.all_reduce, torch's own collective")
+               for what in blocked.values()), blocked
+    assert "in sizes_differ" in text  # the learner's line
+    assert "wait inside torch.distributed.all_reduce" in text and "same size and dtype" in text
+
+    with pytest.raises(course_lib.LaunchTimeoutError) as caught:
+        course_lib.launch(one_rank_skips, world_size=2, timeout=2)
+    # the call the rank made, not the all_gather torch makes inside it
+    assert caught.value.blocked[0].startswith("blocked in torch.distributed.all_gather_object,")
+    assert caught.value.blocked[1].startswith("finished")
+
+
+def test_a_timeout_in_a_course_lib_collective_waiting_for_a_partner_says_so():
+    def fn(rank, world_size):
+        if rank == 0:
+            from course_lib import collectives
+
+            work = collectives.broadcast(torch.ones(3), src=1, async_op=True)
+            work.wait()  # rank 1 never calls broadcast
+        else:
+            time.sleep(60)
+
+    with pytest.raises(course_lib.LaunchTimeoutError) as caught:
+        course_lib.launch(fn, world_size=2, timeout=2)
+    line = str(caught.value).splitlines()[1]
+    assert "rank 0: blocked in broadcast's argument check" in line and "every rank has called broadcast" in line
+    assert "work.wait()" not in line and "test_launch.py" in line and "in fn" in line  # the learner's frame
+    assert "threading.py" not in line
+
+
+def test_a_function_that_returns_nothing_gets_a_hint_when_its_result_is_shown():
+    def prints_only(rank, world_size):
+        print("hello")
+
+    results = course_lib.launch(prints_only, world_size=2)
+    assert results == [None, None] and isinstance(results, list)
+    assert repr(results).startswith("[None, None]  # fn returned None on every rank")
+    assert "return <value>" in str(results)
+    assert repr(course_lib.launch(lambda rank, world_size: rank or None, world_size=2)) == "[None, 1]"
+
+
+def test_in_a_notebook_the_hint_shows_where_the_result_is_used_and_not_after_a_launch_for_prints():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    cells = [
+        "import course_lib\ndef hello(rank, world_size):\n    print('hi')",
+        "course_lib.launch(hello, world_size=2)",          # run for its prints: no result shown
+        "results = course_lib.launch(hello, world_size=2)",
+        "results",                                         # the result used: the hint
+        "print(results)",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3").execute()
+
+    def shown(cell):
+        return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+
+    assert shown(notebook.cells[1]) == "[rank 0] hi\n[rank 1] hi\n"
+    assert "fn returned None on every rank" in shown(notebook.cells[3])
+    assert "fn returned None on every rank" in shown(notebook.cells[4])
+# what Colab brings that a laptop does not (issue 11): a GPU touched by the kernel, one GPU for
+# four ranks, kernel restarts
+# --------------------------------------------------------------------------------------------------
+
+
+def _started_with_spawn(rank, world_size):
+    """True in a rank started with spawn: a fresh interpreter does not see what the caller set at run time."""
+    launch_module = sys.modules["course_lib.launch"]  # the module; course_lib.launch is the function
+    return getattr(launch_module, "_set_by_the_test", None) is None
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below `pid` (children, grandchildren...), as pid -> command line."""
+    parents, commands = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as f:
+                commands[int(entry)] = f.read().replace("\0", " ").strip()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_until_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return {p: _alive(p) for p in pids}
+
+
+def _kill_survivors(processes: dict[int, str]):
+    """A failed test must not leave its sleeping ranks behind (pid -> command line, checked: pids get reused)."""
+    for pid, command in processes.items():
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                same = f.read().replace("\0", " ").strip() == command
+            if same and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@needs_proc
+class TestWhatColabBrings:
+    """A Colab kernel may have touched the GPU before `launch`, has one GPU for four ranks, and gets restarted."""
+
+    @pytest.fixture(autouse=True)
+    def fresh_notices(self, monkeypatch):
+        launch_module = sys.modules["course_lib.launch"]  # the module; course_lib.launch is the function
+        monkeypatch.setattr(launch_module, "_NOTICES_GIVEN", set())
+        monkeypatch.setattr(launch_module, "_set_by_the_test", "a forked rank sees this", raising=False)
+        return launch_module
+
+    def test_cuda_initialised_here_makes_launch_spawn_and_say_so_once(self, monkeypatch, capsys):
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # what a cell that used the GPU leaves
+        offset = 5.0
+
+        def closure(rank, world_size):  # only cloudpickle carries a closure to a spawned rank
+            t = torch.full((3,), rank + offset)
+            dist.all_reduce(t)
+            return t.tolist(), _started_with_spawn(rank, world_size)
+
+        first = course_lib.launch(closure, world_size=3, backend="gloo")
+        second = course_lib.launch(closure, world_size=2, backend="gloo")
+        assert first == [([3 * offset + 3] * 3, True)] * 3
+        assert second == [([2 * offset + 1] * 3, True)] * 2
+        err = capsys.readouterr().err.splitlines()
+        notices = [line for line in err if line.startswith("course_lib:")]
+        assert notices == ["course_lib: launch starts the ranks with spawn, not fork: CUDA is already initialised "
+                           "in this process (a cell used the GPU), and a forked rank cannot use it."]
+
+    def test_a_thread_named_like_autograds_gpu_threads_makes_launch_spawn(self, fresh_notices, capsys):
+        """After a backward() on a CUDA build with a GPU, autograd keeps threads named pt_autograd_<device>.
+
+        CI has no GPU, so a Python thread takes that name with prctl(PR_SET_NAME), as c10 does.
+        """
+        import ctypes
+        import threading
+
+        if fresh_notices._autograd_device_threads() or fresh_notices._why_not_fork():
+            pytest.fail("this test process already touched a GPU: the check below would prove nothing")
+        named, release = threading.Event(), threading.Event()
+
+        def pretend_to_be_autograd():
+            PR_SET_NAME = 15
+            ctypes.CDLL(None).prctl(PR_SET_NAME, b"pt_autograd_0")
+            named.set()
+            release.wait(60)
+
+        thread = threading.Thread(target=pretend_to_be_autograd, daemon=True)
+        thread.start()
+        try:
+            assert named.wait(10)
+            assert fresh_notices._autograd_device_threads() == ["pt_autograd_0"]
+
+            def train_step(rank, world_size):  # what failed in forked ranks on the H100
+                layer = torch.nn.Linear(4, 1)
+                layer(torch.randn(8, 4)).sum().backward()
+                return layer.weight.grad is not None, _started_with_spawn(rank, world_size)
+
+            assert course_lib.launch(train_step, world_size=2) == [(True, True)] * 2
+            assert course_lib.launch(train_step, world_size=2) == [(True, True)] * 2
+        finally:
+            release.set()
+            thread.join(10)
+        notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("course_lib:")]
+        assert notices == ["course_lib: launch starts the ranks with spawn, not fork: autograd's GPU threads "
+                           "(pt_autograd_0) run in this process since a backward() here, and a forked rank's "
+                           "backward() would fail."]
+        # the thread is gone: fork again, silently
+        assert fresh_notices._autograd_device_threads() == []
+        assert course_lib.launch(_started_with_spawn, world_size=2) == [False, False]
+
+    def test_one_gpu_for_four_ranks_falls_back_to_gloo_and_says_why_once(self, fresh_notices, monkeypatch, capsys):
+        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 1)  # a Colab GPU runtime
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+        assert course_lib.resolve_backend("auto", 1) == "nccl"
+        assert capsys.readouterr().err == ""
+        assert course_lib.resolve_backend("auto", 4) == "gloo"
+        assert course_lib.resolve_backend("auto", 4) == "gloo"
+        assert capsys.readouterr().err == (
+            "course_lib: backend 'auto' runs the 4 ranks on the CPU with gloo: 1 GPU(s) visible, and NCCL needs one "
+            "GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').\n")
+        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 0)  # no GPU at all: nothing to explain
+        monkeypatch.setattr(fresh_notices, "_NOTICES_GIVEN", set())
+        assert course_lib.resolve_backend("auto", 4) == "gloo"
+        assert capsys.readouterr().err == ""
+
+    @pytest.mark.parametrize("start_method", ["fork", "spawn"])
+    @pytest.mark.parametrize("how", ["restart", "oom-kill"])
+    def test_a_kernel_restart_during_a_launch_leaves_no_process_behind(self, tmp_path, start_method, how):
+        """"restart" is JupyterLab's "Restart kernel": the kernel is asked to stop, then its process
+        group is killed. "oom-kill" kills the kernel alone, as Linux's OOM killer does on a small
+        Binder: no `finally` runs in the kernel and nobody signals the ranks, so only PR_SET_PDEATHSIG
+        can stop them; they must be gone before Jupyter's restart would kill the group anyway."""
+        jupyter_client = pytest.importorskip("jupyter_client")
+        pid_dir = tmp_path / "pids"
+        pid_dir.mkdir()
+        manager = jupyter_client.KernelManager(kernel_name="python3")
+        manager.start_kernel(cwd=str(tmp_path))
+        client = manager.client()
+        client.start_channels()
+        try:
+            client.wait_for_ready(timeout=60)
+            kernel_pid = manager.provisioner.process.pid
+            client.execute(textwrap.dedent(f"""
+                import os, time, course_lib
+                def sleeper(rank, world_size, pid_dir):
+                    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+                        f.write(str(os.getpid()))
+                    time.sleep(120)
+                course_lib.launch(sleeper, world_size=2, args=({str(pid_dir)!r},), timeout=100,
+                                  start_method={start_method!r})
+                """))
+            deadline = time.monotonic() + 60
+            while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(list(pid_dir.iterdir())) == 2, "the ranks did not start"
+            below_kernel = _descendants(kernel_pid)  # the ranks, and with spawn the resource tracker
+            ranks = {int(p.read_text()) for p in pid_dir.iterdir()}
+            assert ranks <= set(below_kernel)
+            if how == "oom-kill":
+                os.kill(kernel_pid, signal.SIGKILL)
+            else:
+                manager.restart_kernel(now=False)
+            survivors = {pid: below_kernel[pid] for pid, alive in _wait_until_gone(below_kernel, 15).items() if alive}
+            assert survivors == {}, f"still running 15 s after the kernel {how}: {survivors}"
+            if how == "oom-kill":
+                manager.restart_kernel(now=True)
+            client.wait_for_ready(timeout=60)  # and the restarted kernel works
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=True)
+            _kill_survivors(locals().get("below_kernel", {}))
+
+    def test_a_spawned_ranks_start_does_not_count_against_the_timeout(self, tmp_path):
+        """On Colab, four spawned ranks importing a CUDA build of torch on two cores take longer to
+        start than the 20 s default timeout; the timeout is for what the ranks do, not their start."""
+        script = tmp_path / "slow_start.py"
+        script.write_text(textwrap.dedent("""
+            import time, course_lib
+            if __name__ == "__mp_main__":
+                time.sleep(4)  # a spawned rank imports this file again: a start slower than the timeout
+            if __name__ == "__main__":
+                print(course_lib.launch(lambda r, w: r * 10, world_size=2, timeout=3, start_method="spawn"))
+            """))
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip() == "[0, 10]"
+
+    def test_spawned_ranks_whose_launcher_dies_while_they_start_exit_too(self, tmp_path):
+        """A spawned rank asks for PR_SET_PDEATHSIG only after importing torch; a launcher killed
+        before then must not leave it waiting for the group's timeout."""
+        script = tmp_path / "launcher.py"
+        script.write_text("import time, course_lib\n"
+                          "if __name__ == '__main__':  # spawned ranks import this file again\n"
+                          "    course_lib.launch(lambda r, w: time.sleep(120), world_size=2, timeout=100, "
+                          "start_method='spawn')\n")
+        launcher = subprocess.Popen([sys.executable, str(script)])
+        try:
+            deadline = time.monotonic() + 60
+            ranks = {}
+            while time.monotonic() < deadline and len(ranks) < 2:
+                ranks = {pid: cmd for pid, cmd in _descendants(launcher.pid).items() if "spawn_main" in cmd}
+                time.sleep(0.01)
+            assert len(ranks) == 2, "the ranks did not start"
+            below = _descendants(launcher.pid)
+            launcher.kill()  # like a kernel restart while the ranks are still importing torch
+            launcher.wait(10)
+            survivors = {pid: below[pid] for pid, alive in _wait_until_gone(below, 30).items() if alive}
+            assert survivors == {}, f"still running 30 s after the launcher died: {survivors}"
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+            _kill_survivors(locals().get("below", {}))
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenMP and fork
+# --------------------------------------------------------------------------------------------------
+
+
+def _parallel_work(rank, world_size):
+    a = torch.randn(400, 400)
+    return (a @ a).sum().item(), torch.get_num_threads()
+
+
+def test_a_forked_rank_runs_parallel_torch_ops_after_the_caller_did():
+    """GNU OpenMP's pool does not survive a fork: a forked rank with 2+ threads hung at its first matmul
+    once the caller had run one. Forked ranks get one thread, so the matmul finishes."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(400, 400)
+        (a @ a).sum()  # the caller's OpenMP pool now exists
+        results = course_lib.launch(_parallel_work, world_size=1, timeout=20, start_method="fork")
+    finally:
+        torch.set_num_threads(saved)
+    assert results[0][1] == 1

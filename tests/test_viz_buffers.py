@@ -185,3 +185,50 @@ def test_pictures_build_for_eight_ranks():
     assert set(_cell_labels(fig.axes[1])) == {f"(a+…+h){str(c).translate(str.maketrans('01234567', '₀₁₂₃₄₅₆₇'))}"
                                               for c in range(G)}
     fig.canvas.draw()   # lays out every artist: catches what only rendering would
+
+
+def test_notebook_pictures_are_sharp_on_high_density_screens():
+    """A notebook shows a PNG at one pixel per CSS pixel unless told otherwise: in a real kernel,
+    course_lib's figures come out with PIXEL_RATIO times the pixels and the size to show them at,
+    and the same text/plain as any matplotlib Figure (which nbval compares)."""
+    pytest.importorskip("ipykernel")
+    import base64
+    import struct
+
+    from jupyter_client.manager import start_new_kernel
+
+    code = """
+import matplotlib.pyplot as plt, course_lib.viz as viz
+G = 3
+fig = viz.draw_buffers([viz.tagged_tensor(r, G, G) for r in range(G)], G, title="before")
+plain = plt.figure(figsize=fig.get_size_inches(), dpi=fig.dpi); plain.add_subplot(); plt.close(plain)
+assert repr(fig) == repr(plain), (repr(fig), repr(plain))
+print(len(viz.buffers.figure_png(fig)))
+fig
+"""
+    messages = []
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        reply = client.execute_interactive(code, timeout=60, output_hook=messages.append)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    assert reply["content"]["status"] == "ok", messages
+    result = next(m["content"] for m in messages if m["msg_type"] == "execute_result")
+    assert result["data"]["text/plain"].startswith("<Figure size ")
+    png = base64.b64decode(result["data"]["image/png"])
+    width, height = struct.unpack(">II", png[16:24])
+    shown = result["metadata"]["image/png"]
+    ratio = viz.buffers.PIXEL_RATIO
+    assert ratio >= 2 and (shown["width"], shown["height"]) == (width // ratio, height // ratio)
+    assert shown["caption"] == "before"                     # the figure's title, for the book's caption
+    one_to_one = int(next(m["content"]["text"] for m in messages if m["msg_type"] == "stream"))
+    assert len(png) < 2 * one_to_one     # 256 colours: four times the pixels for less than twice the bytes
+
+
+def test_svg_is_the_same_on_every_run():
+    G = 3
+    buffers = [viz.tagged_tensor(r, G, G) for r in range(G)]
+    first, second = (viz.buffers.figure_svg(viz.draw_buffers(buffers, G)) for _ in range(2))
+    assert first == second and b"<svg" in first
+    assert b"<dc:date>" not in first and "a₀".encode() in first     # no date; text kept as text

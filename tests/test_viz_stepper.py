@@ -116,7 +116,7 @@ def test_one_panel_shows_the_step_it_was_asked_for(runs):
     scatter_reduce, _ = viz.ring_histories([run["recording"] for run in runs[G]])
     fig = viz.draw_step(scatter_reduce, 2)
     ax = fig.axes[0]
-    assert ax.get_title() == "after scatter_reduce step 1"
+    assert ax.get_title() == "after scatter_reduce step 1" == viz.position_title(scatter_reduce, 2)
     arrows = [t for t in ax.texts if isinstance(t, matplotlib.text.Annotation)]
     labels = [t.get_text() for t in ax.texts if t.get_gid() == "cell"]
     expected = [viz.provenance_label(cell, G) for row in scatter_reduce.states[2] for cell in row]
@@ -125,6 +125,39 @@ def test_one_panel_shows_the_step_it_was_asked_for(runs):
     assert len(arrows) == G + wraps                     # one arrow per message, two for the wrap-around
     with pytest.raises(ValueError):
         viz.draw_step(scatter_reduce, G)
+
+
+def _svg_texts(svg: bytes) -> list[str]:
+    """The texts of a course_lib SVG (its text stays text: svg.fonttype 'none')."""
+    import xml.etree.ElementTree as ET
+
+    return ["".join(t.itertext()) for t in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text")]
+
+
+def _step_number(text: str) -> int | None:
+    """The step number a label or title speaks of: 'after step 1' -> 1, 'start' -> None."""
+    return None if text == "start" else int(text.rsplit(" step ", 1)[1])
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 5])
+def test_slider_and_picture_speak_the_same_step(runs, world_size):
+    pytest.importorskip("ipywidgets")
+    scatter_reduce, all_gather = viz.ring_histories([run["recording"] for run in runs[world_size]])
+    for history in (scatter_reduce, scatter_reduce.then(all_gather)):
+        stepper = viz.Stepper(history)
+        assert stepper.play.max == history.steps and len(stepper.slider.options) == history.steps + 1
+        for k in range(history.steps + 1):
+            stepper.slider.index = k
+            label = stepper.slider.label                          # what the slider's readout shows
+            title = viz.position_title(history, k)
+            assert title in _svg_texts(bytes(stepper.image.value)), (k, title)
+            assert _step_number(label) == _step_number(title) == (None if k == 0 else (k - 1) % (world_size - 1))
+            assert f"<b>{title}</b>" in stepper.caption.value
+            if k:   # the caption lists exactly the messages of that step
+                assert stepper.caption.value.count("rank ") == 2 * len(history.messages[k - 1])
+        assert stepper.slider.options[0] == ("start", 0)
+    assert viz.position_labels(scatter_reduce)[1:] == [f"after step {s}" for s in range(world_size - 1)]
+    assert viz.position_labels(scatter_reduce.then(all_gather))[world_size] == "after all_gather step 0"
 
 
 def test_stepper_widget_steps_and_reloads(runs):
@@ -137,15 +170,42 @@ def test_stepper_widget_steps_and_reloads(runs):
         return viz.ring_histories([run["recording"] for run in runs[world_size]])[0]
 
     stepper = viz.Stepper(scatter_reduce, choices=[2, 3, 4], load=load)
-    assert stepper.slider.max == stepper.play.max == 2 and stepper.chooser.value == 3
-    first = stepper.image.value
+    assert stepper.play.max == 2 and len(stepper.slider.options) == 3 and stepper.chooser.value == 3
+    first = bytes(stepper.image.value)
+    assert stepper.image.format == "svg+xml" and first.lstrip().startswith(b"<?xml") and b"<svg" in first
     stepper.slider.value = 2
-    assert bytes(stepper.image.value) != bytes(first) and bytes(stepper.image.value).startswith(b"\x89PNG")
-    assert "scatter_reduce step 1" in stepper.caption.value
+    assert bytes(stepper.image.value) != first and "after scatter_reduce step 1" in stepper.caption.value
     stepper.chooser.value = 4
-    assert loaded == [4] and stepper.slider.value == 0 and stepper.slider.max == 3
-    text = stepper._repr_mimebundle_()["text/plain"]
-    assert text == "Stepper over 3 steps (4 ranks); run the notebook to use the slider."
+    assert loaded == [4] and stepper.slider.index == 0 and stepper.play.max == 3
+    assert [label for label, _ in stepper.slider.options] == ["start", "after step 0", "after step 1", "after step 2"]
+    assert "start" in _svg_texts(bytes(stepper.image.value))
+    bundle = stepper._repr_mimebundle_()
+    assert bundle["text/plain"] == "Stepper over 3 steps (4 ranks); run the notebook to use the slider."
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_static_html_carries_every_picture_and_is_the_same_every_run(runs):
+    pytest.importorskip("ipywidgets")
+    import base64
+    import html
+    import json
+    import re
+
+    G = 4
+    history, _ = viz.ring_histories([run["recording"] for run in runs[G]])
+    stepper = viz.Stepper(history, interval_ms=500)
+    page = stepper._repr_mimebundle_()["text/html"]
+    again = viz.Stepper(viz.ring_histories([run["recording"] for run in runs[G]])[0], interval_ms=500).static_html()
+    assert page == again                          # nbval compares text/html: no ids, dates or random salts
+    pictures = re.findall(r'<img data-position="(\d+)"(?: hidden)? src="data:image/svg\+xml;base64,([^"]+)"', page)
+    assert [int(k) for k, _ in pictures] == list(range(history.steps + 1))
+    for k, data in pictures:                      # the very pictures the widget shows, titled the same
+        assert base64.b64decode(data) == stepper.picture(int(k))
+        assert viz.position_title(history, int(k)) in _svg_texts(base64.b64decode(data))
+    labels = json.loads(html.unescape(re.search(r'data-labels="([^"]+)"', page).group(1)))
+    assert labels == viz.position_labels(history)
+    assert f'max="{history.steps}"' in page and 'data-interval="500"' in page and "<script>" in page
+    assert page.count(" hidden") == 1 + 2 * history.steps     # controls, and all but the first picture and caption
 
 
 def test_figures_build_for_eight_ranks():

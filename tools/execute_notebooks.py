@@ -25,8 +25,36 @@ def execute(path: pathlib.Path) -> float:
     NotebookClient(notebook, timeout=300, kernel_name="python3", record_timing=False,  # no timestamps in diffs
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     elapsed = time.perf_counter() - start
+    drop_finished_live_lines(notebook)
     nbformat.write(notebook, path)
     return elapsed
+
+
+def drop_finished_live_lines(notebook) -> None:
+    """Remove what course_lib.live's progress lines leave behind, which depends on how long cells took.
+
+    A live line ends as a view of no widget (model_id ''), shown as nothing; its widget's state
+    stays in the notebook's metadata. Drop both: the outputs of views of nothing, and the state of
+    every widget that no remaining output shows (keeping models that refer to a shown one, like links).
+    """
+    view = "application/vnd.jupyter.widget-view+json"
+    shown = set()
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if o.get("data", {}).get(view, {}).get("model_id", None) != ""]
+            shown |= {o["data"][view]["model_id"] for o in cell.outputs if view in o.get("data", {})}
+    states = notebook.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state")
+    if not states:
+        return
+    refs = {m: {r for r in states if f"IPY_MODEL_{r}" in repr(state)} for m, state in states.items()}
+    keep, changed = set(shown), True
+    while changed:  # what a kept model refers to, and what refers to a kept model
+        grown = keep | {r for m in keep if m in refs for r in refs[m]} | {m for m, rs in refs.items() if rs & keep}
+        changed, keep = grown != keep, grown
+    for model_id in set(states) - keep:
+        del states[model_id]
+    if not states:
+        del notebook.metadata["widgets"]
 
 
 def main(argv: list[str]) -> int:

@@ -30,7 +30,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
+import re
 import string
+import struct
 
 import torch
 
@@ -46,7 +49,7 @@ __all__ = [
 PALETTE = ["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999"]
 # A second cue that survives greyscale printing and colour blindness. Seven patterns against eight
 # colours, so ranks 0..55 never share both.
-HATCHES = ["", "//", "..", "\\\\", "xx", "--", "||"]
+HATCHES = ["", "//", "++", "\\\\", "xx", "--", "||"]  # no dots: a dotted hatch is 60 KB in an SVG
 EMPTY_COLOR = "#f2f2f2"
 _SUBSCRIPTS = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 
@@ -206,6 +209,109 @@ def _style():
         yield
 
 
+# Jupyter shows a figure's PNG at one PNG pixel per CSS pixel. On a high-density screen (device
+# pixel ratio 2) that is a low-resolution raster scaled up: blurry text. So the figures drawn here
+# render at PIXEL_RATIO times their size and tell the notebook the size to display them at.
+PIXEL_RATIO = 2
+
+_figure_class = None
+
+
+def _sharp_figure_class():
+    """matplotlib's Figure, shown in Jupyter as a PNG at PIXEL_RATIO x its pixel size (made on first use,
+    so importing course_lib.viz does not import matplotlib)."""
+    global _figure_class
+    if _figure_class is None:
+        from matplotlib.figure import Figure
+
+        class SharpFigure(Figure):
+            """A Figure whose notebook picture stays sharp on high-density screens.
+
+            Same text/plain as any Figure ("<Figure size 640x480 with 1 Axes>"), so stored notebook
+            outputs compare as before; the PNG has PIXEL_RATIO times the pixels, and its width and
+            height metadata say how large to show it (IPython's "retina" format, for these figures only).
+            """
+
+            def __repr__(self):
+                return super().__repr__().replace(type(self).__name__, "Figure", 1)
+
+        _figure_class = SharpFigure
+    _register_png_formatter(_figure_class)
+    return _figure_class
+
+
+def notebook_png(fig) -> tuple[bytes, dict]:
+    """(PNG bytes at PIXEL_RATIO x the figure's pixels, {"width", "height"} to show it at, and
+    "caption": the figure's title): what a notebook stores for a course_lib figure."""
+    png = _256_colours(figure_png(fig, PIXEL_RATIO))
+    width, height = struct.unpack(">II", png[16:24])  # the PNG's IHDR chunk
+    metadata = {"width": width // PIXEL_RATIO, "height": height // PIXEL_RATIO}
+    title = _title_of(fig)
+    if title:   # the caption tools/build_book.py puts under the figure
+        metadata["caption"] = title
+    return png, metadata
+
+
+def _256_colours(png: bytes) -> bytes:
+    """The same picture with a palette of 256 colours: these tables and bars have a few dozen, so it
+    looks the same, and the twice-as-large PNG costs no more than the old one did."""
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - matplotlib depends on Pillow
+        return png
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    buffer = io.BytesIO()
+    image.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(buffer, "PNG", optimize=True)
+    return buffer.getvalue()
+
+
+def _title_of(fig) -> str:
+    """The figure's title: its suptitle, else its first Axes title."""
+    if fig._suptitle is not None and fig._suptitle.get_text():
+        return fig._suptitle.get_text()
+    for ax in fig.axes:
+        for loc in ("center", "left", "right"):
+            if ax.get_title(loc=loc):
+                return ax.get_title(loc=loc)
+    return ""
+
+
+def _register_png_formatter(figure_class) -> None:
+    """In IPython, show `figure_class` figures with `notebook_png`. (A `_repr_png_` or
+    `_repr_mimebundle_` method would not do: the inline backend's formatter for Figure wins over both.)"""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    formatter = shell.display_formatter.formatters["image/png"]
+    if formatter.type_printers.get(figure_class) is not notebook_png:
+        formatter.for_type(figure_class, notebook_png)
+
+
+def figure_png(fig, scale: float = 1.0) -> bytes:
+    """The figure as PNG bytes at `scale` x its dpi, cropped to what is drawn (as Jupyter crops it)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=fig.dpi * scale, bbox_inches="tight",
+                facecolor=fig.get_facecolor(), edgecolor=fig.get_edgecolor())
+    return buffer.getvalue()
+
+
+def figure_svg(fig) -> bytes:
+    """The figure as SVG bytes, identical on every run: text kept as text (small, sharp at any zoom),
+    no date, and the ids matplotlib invents from a fixed salt instead of a random one."""
+    import matplotlib
+
+    buffer = io.BytesIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "course_lib"}):
+        fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None},
+                    facecolor=fig.get_facecolor(), edgecolor=fig.get_edgecolor())
+    # Coordinates to 1/100 of a point (matplotlib writes 6 decimals): a third smaller, the same picture.
+    return re.sub(rb"(\d\.\d\d)\d+", rb"\1", buffer.getvalue())
+
+
 def _new_figure(width: float, height: float, nrows: int = 1, ncols: int = 1, *, title: str | None = None,
                 **kwargs):
     import matplotlib.pyplot as plt
@@ -213,7 +319,8 @@ def _new_figure(width: float, height: float, nrows: int = 1, ncols: int = 1, *, 
     if title:  # wide enough for the title (about 11 characters per inch at 10-11 points)
         width = max(width, 0.5 + len(title) / 11)
 
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, **kwargs)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False,
+                             FigureClass=_sharp_figure_class(), **kwargs)
     # Close it at once: pyplot forgets it, so the notebook shows it only when the function's
     # caller displays the returned Figure (no second copy at the end of the cell).
     plt.close(fig)

@@ -19,14 +19,16 @@ replay and the numbers agree.
 
 from __future__ import annotations
 
-import io
+import base64
+import html
+import json
 import textwrap
 from dataclasses import dataclass, field
 
-from course_lib.viz.buffers import (_new_figure, _style, draw_cells, provenance_label, rank_name)
+from course_lib.viz.buffers import (_new_figure, _style, draw_cells, figure_svg, provenance_label, rank_name)
 
-__all__ = ["Message", "ChunkHistory", "chunk_history", "ring_histories", "messages_text", "draw_step",
-           "draw_steps", "Stepper"]
+__all__ = ["Message", "ChunkHistory", "chunk_history", "ring_histories", "messages_text", "position_title",
+           "position_labels", "draw_step", "draw_steps", "Stepper"]
 
 # Which phases add what arrives to what is there, and which overwrite.
 REDUCING_PHASES = {"scatter_reduce", "reduce_scatter", "reduce"}
@@ -210,6 +212,28 @@ _KEY = ("arrows: this step's messages (dotted: round the end of the ring)  ·  d
         "thick: chunk that received  ·  bold: holds every rank's contribution")
 
 
+def position_title(history: ChunkHistory, k: int) -> str:
+    """What the picture after k steps shows: 'start' (k = 0), else 'after <name of step k - 1>'.
+
+    Steps are numbered from 0 as the ring code and the traffic labels number them, so position k
+    (k steps done) is "after step k - 1": the picture's title, the stepper's slider and its caption
+    all use this text.
+    """
+    return "start" if k == 0 else f"after {history.step_names[k - 1]}"
+
+
+def position_labels(history: ChunkHistory) -> list[str]:
+    """The stepper's slider labels, one per position: 'start', 'after step 0', 'after step 1', ...
+
+    When every step belongs to one phase its name is left out ('after step 1'; the picture's title
+    says 'after scatter_reduce step 1'); a history of several phases keeps it ('after all_gather step 0').
+    """
+    phases = {name.rsplit(" step ", 1)[0] for name in history.step_names}
+    if len(phases) == 1:
+        return ["start"] + [f"after step {name.rsplit(' step ', 1)[1]}" for name in history.step_names]
+    return [position_title(history, k) for k in range(history.steps + 1)]
+
+
 def _draw_state(ax, history, k, fontsize, column_labels, row_labels=None):
     """Rank rows x chunk columns after k steps, with the arrows and outlines of step k - 1."""
     G = history.world_size
@@ -220,15 +244,16 @@ def _draw_state(ax, history, k, fontsize, column_labels, row_labels=None):
     rows = len(history.states[k])
     _draw_arrows(ax, messages, rows)
     ax.set_ylim(rows + 0.55, -0.55)
-    ax.set_title("start" if k == 0 else f"after {history.step_names[k - 1]}", fontsize=fontsize + 1, pad=4)
+    ax.set_title(position_title(history, k), fontsize=fontsize + 1, pad=6)
 
 
 def draw_step(history: ChunkHistory, k: int, *, column_labels=None, ax=None):
-    """One table: every rank's chunks after k steps (k = 0: the start).
+    """One table: every rank's chunks after k steps (k = 0: the start; k: after step k - 1).
 
     The step's messages are arrows from the sending row to the receiving row in the chunk's column
     (dotted when they go round the end of the ring); sent chunks have a dashed outline, chunks that
-    just received something a thick one. Labels in bold hold every rank's contribution.
+    just received something a thick one. Labels in bold hold every rank's contribution. The title
+    is `position_title(history, k)`.
 
     Returns:
         The matplotlib Figure.
@@ -240,24 +265,31 @@ def draw_step(history: ChunkHistory, k: int, *, column_labels=None, ax=None):
     own_figure = ax is None
     with _style():
         if own_figure:
-            fig, axes = _new_figure(1.2 + 0.85 * G, 1.0 + 0.5 * G)
+            fig, axes = _new_figure(1.3 + 0.95 * G, 1.1 + 0.55 * G)
             ax = axes[0][0]
-        _draw_state(ax, history, k, 8.0, labels)
+        _draw_state(ax, history, k, 10.0, labels)
         if own_figure:
             ax.figure.tight_layout()
         return ax.figure
 
 
+# About the width a notebook gives an output (in inches at the 80 dpi the figures use): wider
+# figures are shrunk to fit, and their text with them.
+_NOTEBOOK_WIDTH = 11.0  # 880 pixels
+
+
 def draw_steps(history: ChunkHistory, *, include_start: bool = False, columns: int | None = None,
                title: str | None = None):
-    """The static version of the stepper: one small table per step, in a grid.
+    """The static version of the stepper: one table per step, in a grid.
 
-    Renders anywhere a PNG does (GitHub, nbviewer, a PDF), with no widget frontend.
+    Renders anywhere a PNG does (GitHub, nbviewer, a PDF), with no widget frontend. Panels are
+    titled like the stepper's pictures ("after scatter_reduce step 0"), and sized so that a
+    notebook shows their text at about the size of its own.
 
     Args:
         history: from `chunk_history` or `ring_histories`.
         include_start: add a first panel with the state before any step.
-        columns: panels per row (default: up to 4, fewer for large world sizes).
+        columns: panels per row (default: as many as fit the width of a notebook, at most 4).
         title: a title over the grid.
 
     Returns:
@@ -265,26 +297,29 @@ def draw_steps(history: ChunkHistory, *, include_start: bool = False, columns: i
     """
     G = history.world_size
     ks = list(range(0 if include_start else 1, history.steps + 1))
-    columns = columns or max(1, min(len(ks), 4 if G <= 5 else 3))
+    fontsize = 10.0 if G <= 4 else 9.0
+    panel_w = 0.35 + (0.75 if G <= 4 else 0.58) * G
+    panel_h = 0.95 + 0.5 * G
+    first_w = panel_w + 0.75                                    # room for the row labels
+    if columns is None:
+        columns = max(1, min(len(ks), 4, 1 + int((_NOTEBOOK_WIDTH - first_w) // panel_w)))
     rows = -(-len(ks) // columns)
-    panel_w, panel_h = max(2.3, 0.3 + 0.58 * G), 0.8 + 0.38 * G
-    first_w = panel_w + 0.5
     width = first_w + panel_w * (columns - 1)
-    key = textwrap.wrap(_KEY, width=int(width * 15))      # about 15 characters per inch at 7 points
-    key_h = 0.14 * len(key) + 0.1
+    key = textwrap.wrap(_KEY, width=int(width * 15))      # about 15 characters per inch at 8.5 points
+    key_h = 0.17 * len(key) + 0.1
     with _style():
-        fig, axes = _new_figure(width, panel_h * rows + key_h + (0.4 if title else 0), rows, columns, title=title,
+        fig, axes = _new_figure(width, panel_h * rows + key_h + (0.45 if title else 0), rows, columns, title=title,
                                 gridspec_kw={"width_ratios": [first_w] + [panel_w] * (columns - 1)})
         for index, ax in enumerate(axes.flat):
             if index < len(ks):
                 row_labels = [f"{r} · {rank_name(r)}" for r in range(G)] if index % columns == 0 else [""] * G
-                _draw_state(ax, history, ks[index], 6.5 if G > 4 else 7.5,
+                _draw_state(ax, history, ks[index], fontsize,
                             [f"chunk {c}" if G <= 4 else f"{c}" for c in range(G)], row_labels)
             else:
                 fig.delaxes(ax)
         if title:
-            fig.suptitle(title, fontsize=11, x=0.01, ha="left")
-        fig.text(0.01, 0.01, "\n".join(key), fontsize=7, ha="left", va="bottom")
+            fig.suptitle(title, fontsize=12, x=0.01, ha="left")
+        fig.text(0.01, 0.01, "\n".join(key), fontsize=8.5, ha="left", va="bottom")
         fig.tight_layout(rect=(0, key_h / fig.get_figheight(), 1, 1))
         return fig
 
@@ -294,18 +329,57 @@ def draw_steps(history: ChunkHistory, *, include_start: bool = False, columns: i
 # --------------------------------------------------------------------------------------------------
 
 
-def _png(fig) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80)
-    return buffer.getvalue()
+def _caption_html(history: ChunkHistory, k: int) -> str:
+    if k == 0:
+        return "<b>start</b>: every rank holds only what it started with. Press play or drag the slider."
+    lines = [f"<b>{html.escape(position_title(history, k))}</b>: the messages of this step"]
+    lines += [html.escape(m.describe(history.world_size)) for m in history.messages[k - 1]]
+    return "<br>".join(lines)
+
+
+# Links the static stepper's play button and slider to its pictures: every picture is already in
+# the page, the script only shows one at a time. Runs where a page runs scripts (the book, nbviewer,
+# a trusted notebook); elsewhere the first picture and a note stay.
+_STATIC_SCRIPT = """(function (root) {
+  var labels = JSON.parse(root.getAttribute("data-labels"));
+  var range = root.querySelector("input"), button = root.querySelector("button");
+  var readout = root.querySelector("output"), timer = null;
+  function show(k) {
+    range.value = k;
+    readout.textContent = labels[k];
+    root.querySelectorAll("[data-position]").forEach(function (element) {
+      element.hidden = Number(element.getAttribute("data-position")) !== k;
+    });
+  }
+  function stop() { clearInterval(timer); timer = null; button.textContent = "play"; }
+  range.addEventListener("input", function () { stop(); show(Number(range.value)); });
+  button.addEventListener("click", function () {
+    if (timer !== null) { stop(); return; }
+    if (Number(range.value) === labels.length - 1) { show(0); }
+    button.textContent = "pause";
+    timer = setInterval(function () {
+      var next = Number(range.value) + 1;
+      if (next < labels.length) { show(next); }
+      if (next >= labels.length - 1) { stop(); }
+    }, Number(root.getAttribute("data-interval")));
+  });
+  root.querySelector(".course-lib-stepper-controls").hidden = false;
+  root.querySelector(".course-lib-stepper-note").hidden = true;
+})(document.currentScript.parentElement);"""
 
 
 class Stepper:
     """A play button and a slider over the steps of a `ChunkHistory`, drawing `draw_step` for each.
 
-    Needs ipywidgets and a running kernel; where widgets do not render (GitHub, nbval, a PDF),
-    show `draw_steps(history)` next to it. Each step's picture is drawn the first time it is
-    shown and kept.
+    Positions: 0 is the start, position k shows the state after step k - 1 (steps count from 0, as
+    in the ring code). The slider's readout says so ("start", "after step 0", ...) and the picture's
+    title and the caption use the same words (`position_labels`, `position_title`).
+
+    Pictures are SVG, so they stay sharp at any width and on high-density screens. Needs
+    ipywidgets and a running kernel to move; where widgets do not render, the output also carries a
+    static HTML version: the same pictures, pre-rendered, with a play button and a slider linked by
+    a few lines of JavaScript (the book built by tools/build_book.py shows that one). Each step's
+    picture is drawn the first time it is needed and kept.
 
     Args:
         history: what to step through.
@@ -325,11 +399,15 @@ class Stepper:
         import ipywidgets as widgets
 
         self.history = history
+        self.interval_ms = interval_ms
         self._pictures: dict[int, bytes] = {}
         self.play = widgets.Play(min=0, max=history.steps, step=1, interval=interval_ms, description="play")
-        self.slider = widgets.IntSlider(min=0, max=history.steps, step=1, description="step")
-        widgets.jslink((self.play, "value"), (self.slider, "value"))
-        self.image = widgets.Image(format="png")
+        self.slider = widgets.SelectionSlider(options=self._options(), description="show",
+                                              layout=widgets.Layout(width="30em"),
+                                              style={"description_width": "initial"})
+        widgets.jslink((self.play, "value"), (self.slider, "index"))
+        # At its own size (a flex box would stretch it to the full width), shrunk when the page is narrower.
+        self.image = widgets.Image(format="svg+xml", layout=widgets.Layout(max_width="100%", align_self="flex-start"))
         self.caption = widgets.HTML()
         controls = [self.play, self.slider]
         self.chooser = None
@@ -342,27 +420,30 @@ class Stepper:
             self.chooser = widgets.Dropdown(options=choices, value=start, description=choice_label)
             self.chooser.observe(self._on_choice, names="value")
             controls.insert(0, self.chooser)
-        self.slider.observe(lambda change: self.show(change["new"]), names="value")
+        self.slider.observe(lambda change: self.show(change["new"]), names="index")
         self.widget = widgets.VBox([widgets.HBox(controls), self.image, self.caption])
         self.show(0)
 
-    def show(self, k: int) -> None:
-        """Draw the state after k steps."""
+    def _options(self):
+        return list(zip(position_labels(self.history), range(self.history.steps + 1)))
+
+    def picture(self, k: int) -> bytes:
+        """The SVG of position k (drawn once, then kept)."""
         if k not in self._pictures:
-            self._pictures[k] = _png(draw_step(self.history, k))
-        self.image.value = self._pictures[k]
-        h = self.history
-        if k == 0:
-            lines = ["Before the first step. Press play or drag the slider."]
-        else:
-            lines = [f"<b>{h.step_names[k - 1]}</b>"] + [m.describe(h.world_size) for m in h.messages[k - 1]]
-        self.caption.value = "<br>".join(lines)
+            self._pictures[k] = figure_svg(draw_step(self.history, k))
+        return self._pictures[k]
+
+    def show(self, k: int) -> None:
+        """Show position k: the state after k steps."""
+        self.image.value = self.picture(k)
+        self.caption.value = _caption_html(self.history, k)
 
     def set_history(self, history: ChunkHistory) -> None:
-        """Step through `history` from now on, starting at step 0."""
+        """Step through `history` from now on, from its start."""
         self.history, self._pictures = history, {}
-        self.slider.value = 0
-        self.play.max = self.slider.max = history.steps
+        self.play.value = 0
+        self.play.max = history.steps
+        self.slider.options = self._options()    # back to index 0, which shows the new start
         self.show(0)
 
     def _on_choice(self, change):
@@ -370,12 +451,42 @@ class Stepper:
             self.caption.value = f"running for {self.chooser.description} = {change['new']} ..."
             self.set_history(self._load(change["new"]))
 
+    def static_html(self) -> str:
+        """The stepper as a self-contained HTML fragment: every position's picture pre-rendered, one
+        shown at a time by a play button and a slider (a few lines of inline JavaScript). Identical
+        on every run for the same history, so it can live in a stored notebook output."""
+        labels = position_labels(self.history)
+        last = len(labels) - 1
+        pictures, captions = [], []
+        for k, label in enumerate(labels):
+            hidden = "" if k == 0 else " hidden"
+            data = base64.b64encode(self.picture(k)).decode("ascii")
+            pictures.append(f'<img data-position="{k}"{hidden} src="data:image/svg+xml;base64,{data}" '
+                            f'alt="{html.escape(position_title(self.history, k))}" style="max-width:100%">')
+            captions.append(f'<div data-position="{k}"{hidden}>{_caption_html(self.history, k)}</div>')
+        return (
+            f'<div class="course-lib-stepper" data-labels="{html.escape(json.dumps(labels))}" '
+            f'data-interval="{int(self.interval_ms)}">\n'
+            f'<div class="course-lib-stepper-controls" hidden><button type="button">play</button> '
+            f'<input type="range" min="0" max="{last}" step="1" value="0" aria-label="position"> '
+            f'<output>{html.escape(labels[0])}</output></div>\n'
+            + "\n".join(pictures) + "\n" + "\n".join(captions) + "\n"
+            f'<div class="course-lib-stepper-note"><i>A stepper over {last} steps: run the notebook to move '
+            f'it (the table of every step is above).</i></div>\n'
+            f"<script>\n{_STATIC_SCRIPT}\n</script>\n</div>"
+        )
+
     def _repr_mimebundle_(self, **kwargs):
-        # The widget view for live notebooks; a short, stable text where widgets do not render
-        # (and for nbval, which compares text/plain: the widget's own repr would include the PNG bytes).
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle = dict(bundle) if bundle else {}
+        # The widget view for live notebooks; the static HTML stepper for pages without a kernel; a
+        # short, stable text for nbval, which compares text/plain (the widget's own repr would
+        # include the picture's bytes).
+        if hasattr(self.widget, "_repr_mimebundle_"):
+            bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
+        else:  # ipywidgets 7 (Colab's) has no bundle method: the same view reference it would display
+            bundle = {"application/vnd.jupyter.widget-view+json":
+                      {"version_major": 2, "version_minor": 0, "model_id": self.widget.model_id}}
         steps = self.history.steps
+        bundle["text/html"] = self.static_html()
         bundle["text/plain"] = (f"Stepper over {steps} step{'' if steps == 1 else 's'} "
                                 f"({self.history.world_size} ranks); run the notebook to use the slider.")
         return bundle
