@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 
 from course_lib import bench, cost
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     for t in targets:
         print(f"{t['target']}: {t['ratio']['median']:.3f} (IQR {t['ratio']['q1']:.2f}..{t['ratio']['q3']:.2f}), "
               f"target <= {t['limit']}: {'met' if t['met'] else 'NOT met'}")
-    meta = {"command": "python benchmarks/fast_allreduce_figures.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": "python benchmarks/fast_allreduce_figures.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "reps": args.reps, "warmup": args.warmup, "loadavg_before": before, "loadavg_after": after,
             "note": args.note or ("fewer than 9 repetitions: exploratory" if args.reps < 9 else "")}
     json_path, md_path = results.save(args.out, "builtin", title="Can we beat the ring? All-reduce variants, measured",

@@ -6,7 +6,7 @@ thing about it, and each has the same contract: `fn(tensor, op)` leaves op(x_0, 
 
     variant              what changes                                   steps            elements a rank sends
     ring                 (the reference)                                2(G-1)           2(G-1) N/G
-    ring_pipelined       chunks cut into k segments: adding segment i   2(G-1)           2(G-1) N/G  (in 2(G-1) k messages)
+    ring_pipelined       chunks cut into k segments: adding segment i   2(G-1)           2(G-1) N/G, 2(G-1) k messages
                          overlaps receiving segment i+1
     ring_bidirectional   half of every chunk goes round each way        2(G-1)           2(G-1) N/G  (half on each link)
     halving_doubling     exchange with partners 2^j apart (Rabenseifner) 2 log2 P (+2)    2(P-1) N/P  (+N, see below)
@@ -162,13 +162,23 @@ def ring_pipelined(tensor: torch.Tensor, op=ops.SUM, segment_bytes: int | None =
         >>> course_lib.launch(fn, world_size=2)[0]
         tensor([ 0.,  3.,  6.,  9., 12., 15.])
     """
-    op = _checks.prepare("allreduce.ring_pipelined", tensor, op=op)
+    segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
+
+    def check_segment():
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0:
+            raise ValueError(f"allreduce.ring_pipelined: segment_bytes={segment_bytes!r} must be a positive "
+                             f"number of bytes, e.g. {SEGMENT_BYTES} (1 MiB), or None for the default")
+
+    op = _checks.prepare("allreduce.ring_pipelined", tensor, op=op, local=check_segment)
+    # Ranks that cut their chunks differently would wait for segments that never come: agree first.
+    _checks.agree("allreduce.ring_pipelined", {"segment_bytes": segment_bytes}, same=("segment_bytes",),
+                  device=_checks.metadata_device(tensor))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return  # nothing to combine; AVG over one rank is the value itself
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     with _flat(tensor) as flat:
-        k = segments_per_chunk(flat.numel(), world_size, flat.element_size(), segment_bytes or SEGMENT_BYTES)
+        k = segments_per_chunk(flat.numel(), world_size, flat.element_size(), segment_bytes)
         pieces = [torch.tensor_split(chunk, k) for chunk in torch.tensor_split(flat, world_size)]
         # Two rounds of incoming segments can be in flight at once (this one and the next): two buffers,
         # each cut like chunk 0, whose segments are the largest: every other chunk's fit in their start.
