@@ -57,6 +57,8 @@ def _offsets(sizes: list[int]) -> list[int]:
 # Receive buffers are kept from one call to the next (per thread, dtype and device). Fresh memory is
 # not free: the kernel maps and zeroes each 4 KiB page the first time it is touched, and a 64 MiB
 # all-reduce needs tens of MiB of receive buffers: thousands of page faults per call, every call.
+# The price: the largest buffer asked for stays allocated (ring_pipelined 2N/G elements, tree and
+# halving_doubling up to N), one per thread and dtype, until the process ends.
 _workspace: dict = {}
 
 
