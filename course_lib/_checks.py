@@ -100,7 +100,9 @@ def _by_value(values) -> str:
 # still reports a mismatch, only less readably.
 KNOWN_CALLS = ("broadcast", "scatter", "gather", "all_gather", "all_to_all", "reduce", "all_reduce",
                "reduce_scatter", "allreduce.naive", "allreduce.parameter_server", "allreduce.ring",
-               "allreduce.ring_scatter_reduce", "allreduce.ring_all_gather")
+               "allreduce.ring_scatter_reduce", "allreduce.ring_all_gather",
+               "allreduce.ring_pipelined", "allreduce.ring_bidirectional", "allreduce.halving_doubling",
+               "allreduce.tree")
 
 
 def _call_code(call: str) -> int:

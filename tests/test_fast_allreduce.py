@@ -172,3 +172,18 @@ def test_bad_or_disagreeing_segment_sizes_fail_clearly_instead_of_hanging():
         assert "segment_bytes=0 must be a positive number of bytes" in zero
         assert "disagree about segment_bytes" in differ and "rank 1: 2048" in differ
         assert "segment_bytes='1MiB'" in text
+
+
+def _mixed_variants_rank(rank, g):
+    variant = allreduce.get("tree" if rank == 0 else "ring_pipelined")
+    try:
+        variant(torch.ones(10))
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_ranks_in_different_variants_are_named_not_hidden_behind_a_code():
+    for text in run(_mixed_variants_rank, 2, timeout=60):
+        assert "different functions" in text
+        assert "allreduce.tree" in text and "allreduce.ring_pipelined" in text and "code" not in text
