@@ -19,9 +19,19 @@ make_assignments = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_assignments)
 
 
+SOURCES = [path.name for path in make_assignments.sources()]
+
+
+def test_every_notebook_with_an_exercise_has_a_student_copy():
+    from course_lib.exercises import registry
+
+    with_exercises = sorted({exercise.notebook + ".ipynb" for exercise in registry.all_exercises()})
+    assert len(with_exercises) >= 8 and all((ROOT / "notebooks" / name).exists() for name in with_exercises)
+    assert SOURCES == with_exercises, "a notebook has an exercise in the registry but no Your-turn cell, or the reverse"
+
+
 def test_assignments_are_up_to_date_with_the_notebooks():
     sources = make_assignments.sources()
-    assert {p.name for p in sources} >= {"04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb"}
     on_disk = sorted(p.name for p in (ROOT / "assignments").glob("*.ipynb"))
     assert on_disk == sorted(p.name for p in sources), "run: python tools/make_assignments.py"
     for path in sources:
@@ -29,7 +39,7 @@ def test_assignments_are_up_to_date_with_the_notebooks():
             f"assignments/{path.name} is out of date: run python tools/make_assignments.py"
 
 
-@pytest.mark.parametrize("name", ["04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb"])
+@pytest.mark.parametrize("name", SOURCES)
 def test_a_student_notebook_keeps_the_lesson_and_loses_the_solutions(name):
     source = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     student = nbformat.read(ROOT / "assignments" / name, as_version=4)
@@ -44,7 +54,9 @@ def test_a_student_notebook_keeps_the_lesson_and_loses_the_solutions(name):
             continue
         assert after.outputs == [] and after.execution_count is None
         assert "SOLUTION" not in after.source and "HIDDEN TESTS" not in after.source
-        if "### BEGIN SOLUTION" in before.source:
+        if before.source.startswith("### BEGIN SOLUTION"):           # answers to questions, at the top level
+            assert after.source and all(line.endswith(" = ...  # your answer here") for line in after.source.split("\n"))
+        elif "### BEGIN SOLUTION" in before.source:
             assert 'raise NotImplementedError("your code here")' in after.source
             assert after.source.split("\n")[0] == before.source.split("\n")[0]   # the def line stays
         else:
@@ -134,3 +146,21 @@ def test_nbgrader_generates_the_assignment_and_autogrades_with_partial_credit(tm
                   for student in ("plain", "solved", "wrong_return")}
     assert scores["plain"] == 0 and scores["solved"] == 10
     assert 0 < scores["wrong_return"] < 10          # nbgrader read the check cell's number: partial credit
+
+
+def test_the_readme_lists_every_assignment_with_its_points():
+    """README's "Teaching with it" table: one row per student notebook, the registry's points, the right total."""
+    import re
+
+    from course_lib.exercises import registry
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Teaching with it"):]
+    section = section[:section.index("\n## ", 3)]
+    rows = dict(re.findall(r"^\| `(\d\d_\w+)` \|.*\| (\d+) \|$", section, re.MULTILINE))
+    points = {}
+    for exercise in registry.all_exercises():
+        points[exercise.notebook] = points.get(exercise.notebook, 0) + exercise.points
+    assert {name: int(value) for name, value in rows.items()} == points
+    assert sorted(f"{name}.ipynb" for name in rows) == SOURCES
+    assert f"{sum(points.values()):g} points in all" in section
