@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 __all__ = ["Result", "format_points"]
 
 
+def _points_word(max_points: float) -> str:
+    """'point' for an exercise worth 1, else 'points': '1/1 point', '0/1 point', '3/5 points'."""
+    return "point" if max_points == 1 else "points"
+
+
 def format_points(value: float) -> str:
     """10 -> '10', 7.5 -> '7.5', 6.3636 -> '6.36'."""
     text = f"{value:.2f}".rstrip("0").rstrip(".")
@@ -64,14 +69,14 @@ class Result:
     @classmethod
     def not_done(cls, exercise, message: str) -> "Result":
         return cls(exercise.name, 0.0, float(exercise.points), "not done",
-                   [f"{exercise.name}: 0/{format_points(exercise.points)} points, {message}"],
+                   [f"{exercise.name}: 0/{format_points(exercise.points)} {_points_word(exercise.points)}, {message}"],
                    checks=getattr(exercise, "checks", ()), _exercise=exercise)
 
     @classmethod
     def of_question(cls, exercise, right: bool, message: str) -> "Result":
         points = float(exercise.points) if right else 0.0
         head = (f"{exercise.name}: {format_points(points)}/{format_points(exercise.points)} "
-                f"point{'s' if exercise.points != 1 else ''}, {message}")
+                f"{_points_word(exercise.points)}, {message}")
         return cls(exercise.name, points, float(exercise.points), "passed" if right else "failed", [head],
                    _exercise=exercise)
 
@@ -82,10 +87,10 @@ class Result:
         score = round(exercise.points * passed / total, 2) if total else 0.0
         sizes = ", ".join(str(g) for g in sorted({c.case.world_size for c in cases}))
         if passed == total:
-            lines = [f"{exercise.name}: {format_points(score)}/{format_points(exercise.points)} points, all {total} "
+            lines = [f"{exercise.name}: {format_points(score)}/{format_points(exercise.points)} {_points_word(exercise.points)}, all {total} "
                      f"cases passed (G = {sizes}" + ("; hidden cases included)" if hidden else ")")]
         else:
-            lines = [f"{exercise.name}: {format_points(score)}/{format_points(exercise.points)} points, {passed} of "
+            lines = [f"{exercise.name}: {format_points(score)}/{format_points(exercise.points)} {_points_word(exercise.points)}, {passed} of "
                      f"{total} cases passed" + (" (hidden cases included)" if hidden else "")]
             first = next(c for c in cases if not c.passed)
             lines.append(f"First problem (case {first.case.label(exercise.root_name)}):")
