@@ -21,7 +21,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["Event", "Recording", "record", "phase", "steps", "current_labels"]
+__all__ = ["Event", "Recording", "record", "phase", "steps", "at_step", "current_labels", "step_counts"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,35 @@ def steps(count: int) -> Iterator[int]:
             yield step
     finally:
         _labels["step"] = saved
+
+
+@contextlib.contextmanager
+def at_step(step: int):
+    """Label the messages inside the block with step `step`, whatever step the loop around is in.
+
+    A pipelined algorithm sends a piece on as soon as it is ready, which is often while it is still
+    receiving the rest of the current step: the piece belongs to the *next* step, and says so.
+    """
+    saved = _labels["step"]
+    _labels["step"] = step
+    try:
+        yield
+    finally:
+        _labels["step"] = saved
+
+
+def step_counts(recordings) -> dict:
+    """{phase: number of distinct steps} over the recordings of all ranks of one run.
+
+    A step is a round of messages that must follow the previous round; a rank that sits one round
+    out (a leaf of a tree) still waits for it, so the steps are counted over every rank together.
+    """
+    seen: dict = {}
+    for rec in recordings:
+        for event in rec.events:
+            if event.phase is not None and event.step is not None:
+                seen.setdefault(event.phase, set()).add(event.step)
+    return {name: len(steps_) for name, steps_ in seen.items()}
 
 
 def log(kind: str, peer: int, tensor, chunk: int | None) -> None:
