@@ -22,7 +22,9 @@ How one measurement is made (inside every rank, for every size):
   rank has its result;
 * `warmup` calls per variant are thrown away (first-touch page faults, socket buffers growing),
   then `reps` are kept; variants take turns within each repetition, so a burst of load from
-  something else on the machine hits all of them alike;
+  something else on the machine hits all of them alike, and the order rotates from one repetition
+  to the next (repetition i starts with variant i mod V), so no variant always runs first or right
+  after the same neighbour;
 * the first result of every variant is compared with `torch.distributed.all_reduce`'s (like
   nccl-tests' "#wrong" column): a fast wrong answer is not a result.
 
@@ -35,6 +37,14 @@ bytes per second:
 busbw is the speed the busiest link must have had for the time t: any all-reduce must move each
 byte 2 (G-1)/G times over a rank's link, so busbw can be compared with the hardware's link speed
 whatever the number of ranks.
+
+Comparing two variants: on a shared machine a single time moves by 15% or more with load, but two
+variants timed in the *same* repetition see the same load. `Results.ratios(variant, reference, ...)`
+gives those paired ratios t_variant / t_reference, one per repetition; their median and spread are
+what the tables and `Results.to_markdown` report next to each median::
+
+    python -m course_lib.bench --sizes 4KiB,16MiB --world-sizes 4 --variants all --reference builtin \
+        --save benchmarks/results/bench_4ranks        # writes bench_4ranks.json and bench_4ranks.md
 """
 
 from __future__ import annotations
@@ -57,10 +67,13 @@ import course_lib
 from course_lib import allreduce
 
 __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUSBW_FACTORS",
-           "VARIANTS", "parse_bytes", "format_bytes", "main"]
+           "VARIANTS", "ALL_VARIANTS", "parse_bytes", "format_bytes", "spread", "machine_description", "main"]
 
 # The hand-written variants of course_lib.allreduce, then PyTorch's own all-reduce for comparison.
 VARIANTS = ("naive", "parameter_server", "ring", "builtin")
+# Every variant, the faster ones of course_lib.fast_allreduce included ('master' is an alias, left out).
+ALL_VARIANTS = ("naive", "parameter_server", "ring", "ring_pipelined", "ring_bidirectional", "halving_doubling",
+                "tree", "builtin")
 
 # nccl-tests' correction factors from algbw to busbw, G = number of ranks (doc/PERFORMANCE.md).
 BUSBW_FACTORS = {
@@ -123,6 +136,19 @@ def _format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.0f} us"
+
+
+def spread(values) -> dict:
+    """Median, quartiles and range of a list of numbers: {'median', 'q1', 'q3', 'min', 'max', 'n'}.
+
+    The quartiles are the 'inclusive' ones (numpy's default percentiles); with one value all are that value.
+    """
+    values = list(values)
+    if not values:
+        raise ValueError("no values to summarise")
+    q1, q3 = (statistics.quantiles(values, n=4, method="inclusive")[::2] if len(values) > 1
+              else (values[0], values[0]))
+    return dict(median=statistics.median(values), q1=q1, q3=q3, min=min(values), max=max(values), n=len(values))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,6 +227,14 @@ class Result:
         return (f"{self.variant} G={self.world_size} {format_bytes(self.nbytes)}: median "
                 f"{_format_seconds(self.median)}, busbw {self.busbw:.3g} GB/s")
 
+    def ratios(self, reference: "Result") -> list[float]:
+        """Paired ratios: this variant's time / the reference's time in the same repetition."""
+        if (reference.world_size, reference.nbytes) != (self.world_size, self.nbytes) or \
+                len(reference.times) != len(self.times):
+            raise ValueError(f"{self.variant} and {reference.variant} were not timed in the same repetitions "
+                             "(same world size, size and number of repetitions): their times cannot be paired")
+        return [t / r for t, r in zip(self.times, reference.times)]
+
 
 class Results(list):
     """A list of `Result` records that can also print, plot and save itself."""
@@ -219,24 +253,111 @@ class Results(list):
             raise KeyError(f"{len(found)} records for variant={variant!r}, world_size={world_size}, nbytes={nbytes}")
         return found[0]
 
-    def table(self) -> str:
-        """A text table in the spirit of nccl-tests' output, one row per record."""
-        header = (f"{'ranks':>5}  {'size':>9}  {'variant':<16} {'median':>10}  {'min':>10}  {'max':>10}"
+    def ratios(self, variant: str, reference: str, world_size: int, nbytes) -> list[float]:
+        """Paired ratios t_variant / t_reference, one per repetition (both timed in the same one)."""
+        return self.get(variant, world_size, nbytes).ratios(self.get(reference, world_size, nbytes))
+
+    def _paired(self, r: Result, reference: str | None):
+        """spread() of r's paired ratios against `reference`, or None when there is none to pair with."""
+        if reference is None or r.variant == reference:
+            return None
+        found = self.where(reference, r.world_size, r.nbytes)
+        return spread(r.ratios(found[0])) if len(found) == 1 else None
+
+    def table(self, reference: str | None = None) -> str:
+        """A text table in the spirit of nccl-tests' output, one row per record.
+
+        With `reference` (e.g. 'builtin') a last column gives the median paired ratio against it and
+        the ratios' interquartile range.
+        """
+        header = (f"{'ranks':>5}  {'size':>9}  {'variant':<18} {'median':>10}  {'min':>10}  {'max':>10}"
                   f"  {'algbw GB/s':>10}  {'busbw GB/s':>10}  {'ok':>3}")
+        if reference:
+            header += f"  {'x ' + reference + ' (IQR)':>24}"
         lines = [header, "-" * len(header)]
         for r in self:
-            lines.append(f"{r.world_size:>5}  {format_bytes(r.nbytes):>9}  {r.variant:<16} "
-                         f"{_format_seconds(r.median):>10}  {_format_seconds(r.min):>10}  "
-                         f"{_format_seconds(r.max):>10}  {r.algbw:>10.3g}  {r.busbw:>10.3g}  "
-                         f"{'yes' if r.correct else 'NO':>3}")
+            line = (f"{r.world_size:>5}  {format_bytes(r.nbytes):>9}  {r.variant:<18} "
+                    f"{_format_seconds(r.median):>10}  {_format_seconds(r.min):>10}  "
+                    f"{_format_seconds(r.max):>10}  {r.algbw:>10.3g}  {r.busbw:>10.3g}  "
+                    f"{'yes' if r.correct else 'NO':>3}")
+            if reference:
+                paired = self._paired(r, reference)
+                line += f"  {_format_ratio(paired):>24}"
+            lines.append(line)
         return "\n".join(lines)
 
+    def to_markdown(self, reference: str | None = None, title: str = "All-reduce: measured",
+                    meta: dict | None = None) -> str:
+        """A short markdown report: the machine, then one table per (world size, size).
+
+        Every row: median time, interquartile range and min..max over the repetitions, and (with
+        `reference`) the paired ratio against the reference variant: median (IQR, min..max).
+        """
+        info = {**machine_description(), **(meta or {})}
+        load = info.get("loadavg_before") or info.get("loadavg")
+        lines = [f"# {title}", "",
+                 f"Machine: {info.get('cpus')} CPU(s) ({info.get('cpu_model', '?')}), torch {info.get('torch')}, "
+                 f"Python {info.get('python')}, {info.get('date')}. Load average (1, 5, 15 min): {load}"
+                 + (f", after: {info['loadavg_after']}" if info.get("loadavg_after") else "") + "."]
+        if info.get("command"):
+            lines += ["", f"Command: `{info['command']}`"]
+        if info.get("note"):
+            lines += ["", f"Note: {info['note']}"]
+        reps = sorted({len(r.times) for r in self})
+        lines += ["", f"Repetitions per variant: {', '.join(map(str, reps))}; each repetition runs every variant "
+                      "once (order rotating); a repetition's time is the slowest rank's."]
+        for g in sorted({r.world_size for r in self}):
+            for n in sorted({r.nbytes for r in self.where(world_size=g)}):
+                rows = self.where(world_size=g, nbytes=n)
+                lines += ["", f"## {g} ranks, {format_bytes(n)} per rank ({rows[0].backend}, {rows[0].dtype})", "",
+                          "| variant | median | IQR | min..max | busbw GB/s |"
+                          + (f" x {reference}, paired: median (IQR; min..max) |" if reference else ""),
+                          "| --- | --- | --- | --- | --- |" + (" --- |" if reference else "")]
+                for r in rows:
+                    q1, q3 = r.quartiles
+                    row = (f"| {r.variant}{'' if r.correct else ' (WRONG RESULT)'} | {_format_seconds(r.median)} | "
+                           f"{_format_seconds(q1)}..{_format_seconds(q3)} | "
+                           f"{_format_seconds(r.min)}..{_format_seconds(r.max)} | {r.busbw:.3g} |")
+                    if reference:
+                        paired = self._paired(r, reference)
+                        row += f" {_format_ratio(paired, full=True)} |"
+                    lines.append(row)
+        return "\n".join(lines) + "\n"
+
+    def save(self, stem, reference: str | None = None, title: str = "All-reduce: measured",
+             meta: dict | None = None) -> tuple[str, str]:
+        """Write `stem`.json (every raw time, the machine) and `stem`.md (`to_markdown`); return both paths."""
+        stem = str(stem)
+        for suffix in (".json", ".md"):
+            if stem.endswith(suffix):
+                stem = stem[: -len(suffix)]
+        directory = os.path.dirname(stem)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        meta = {"reference": reference, **(meta or {})}
+        self.to_json(stem + ".json", meta=meta)
+        with open(stem + ".md", "w", encoding="utf-8") as f:
+            f.write(self.to_markdown(reference, title=title, meta=meta))
+        return stem + ".json", stem + ".md"
+
     def to_json(self, path=None, meta: dict | None = None) -> str:
-        """The records (raw times included) and a description of the run, as JSON text; written to `path` if given."""
-        document = {"meta": {**_machine_description(), **(meta or {})},
+        """The records (raw times included) and a description of the run, as JSON text; written to `path` if given.
+
+        With meta['reference'] set, every other record also carries its paired ratios against it.
+        """
+        meta = {**machine_description(), **(meta or {})}
+        records = []
+        for r in self:
+            record = r.to_dict()
+            paired = self._paired(r, meta.get("reference"))
+            if paired is not None:
+                record["paired_ratios"] = r.ratios(self.get(meta["reference"], r.world_size, r.nbytes))
+                record["paired_ratio"] = paired
+            records.append(record)
+        document = {"meta": meta,
                     "units": {"times": "seconds", "algbw_GBps": "1e9 bytes/s", "busbw_GBps": "1e9 bytes/s",
-                              "nbytes": "bytes per rank"},
-                    "results": [r.to_dict() for r in self]}
+                              "nbytes": "bytes per rank", "paired_ratios": "t_variant / t_reference, same repetition"},
+                    "results": records}
         text = json.dumps(document, indent=1)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
@@ -260,7 +381,9 @@ class Results(list):
         world_sizes = sorted({r.world_size for r in self})
         styles = ["-", "--", ":", "-."]
         present = {r.variant for r in self}
-        for variant in [v for v in VARIANTS if v in present] + sorted(present - set(VARIANTS)):
+        # The first four keep the colours notebook 10 has always drawn them in; the faster ones follow.
+        order = list(VARIANTS) + [v for v in ALL_VARIANTS if v not in VARIANTS]
+        for variant in [v for v in order if v in present] + sorted(present - set(order)):
             for i, g in enumerate(world_sizes):
                 rows = sorted(self.where(variant, g), key=lambda r: r.nbytes)
                 if not rows:
@@ -269,7 +392,7 @@ class Results(list):
                 med = [r.median for r in rows]
                 err = [[r.median - r.min for r in rows], [r.max - r.median for r in rows]]
                 label = f"{variant}, G={g}" if len(world_sizes) > 1 else variant
-                color = f"C{list(VARIANTS).index(variant) if variant in VARIANTS else 4}"
+                color = f"C{order.index(variant) if variant in order else 9}"
                 ax_time.errorbar(x, med, yerr=err, marker="o", ls=styles[i % 4], color=color, label=label, capsize=2)
                 ax_bw.plot(x, [r.busbw for r in rows], marker="o", ls=styles[i % 4], color=color, label=label)
         for ax in (ax_time, ax_bw):
@@ -287,10 +410,34 @@ class Results(list):
         return fig
 
 
-def _machine_description() -> dict:
+def _format_ratio(paired, full: bool = False) -> str:
+    if paired is None:
+        return "-"
+    text = f"{paired['median']:.3f} ({paired['q1']:.2f}..{paired['q3']:.2f}"
+    return text + (f"; {paired['min']:.2f}..{paired['max']:.2f})" if full else ")")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_description() -> dict:
+    """What a reader needs to judge a timing: date, CPU count and model, load average, torch and Python."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "course_lib": course_lib.__version__}
+            "cpus_usable": usable, "cpu_model": _cpu_model(), "loadavg": load, "course_lib": course_lib.__version__}
+
+
+_machine_description = machine_description  # the older private name, used by benchmarks/overlap_figures.py
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,7 +487,9 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     correct = {variant: True for variant in variants}
     times = torch.zeros(len(variants), reps, dtype=torch.float64)
     for rep in range(warmup + reps):
-        for index, variant in enumerate(variants):
+        start_at = rep % len(variants)  # rotate: repetition i starts with variant i mod V
+        for index in list(range(start_at, len(variants))) + list(range(start_at)):
+            variant = variants[index]
             function = _call(variant)
             work.copy_(source)
             _synchronize(device)
@@ -352,7 +501,7 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[index, rep - warmup] = elapsed
-            if rep == 0 and check:
+            if rep == 0 and check:  # every variant's first call (rotation starts at 0)
                 # Sums in another order round differently: allow a few ulps per rank, nothing for integers.
                 tolerance = world_size * max(1e-5, 8 * torch.finfo(torch_dtype).eps) if torch_dtype.is_floating_point else 0
                 correct[variant] = bool(torch.allclose(work, expected, rtol=tolerance, atol=tolerance))
@@ -369,8 +518,8 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             for i, variant in enumerate(variants)]
 
 
-def _measure_on_launched_rank(rank, world_size, nbytes, variants, reps, warmup, dtype, check):
-    return measure_in_rank(nbytes, variants, reps, warmup, dtype, check)
+def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, dtype, check):
+    return [record for nbytes in sizes for record in measure_in_rank(nbytes, variants, reps, warmup, dtype, check)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,9 +529,13 @@ def _measure_on_launched_rank(rank, world_size, nbytes, variants, reps, warmup, 
 
 def _check_variants(variants) -> tuple:
     variants = tuple(variants)
+    if variants == ("all",):
+        return ALL_VARIANTS
     unknown = [v for v in variants if v != "builtin" and v not in allreduce.VARIANTS]
     if unknown or not variants:
-        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(ALL_VARIANTS)} (or 'all')")
+    if len(set(variants)) != len(variants):
+        raise ValueError(f"variants {list(variants)} name one twice; each is timed once per repetition")
     return variants
 
 
@@ -394,7 +547,7 @@ def _launch_timeout(nbytes, world_size, n_variants, calls) -> float:
 
 def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, reps: int = 5,
         warmup: int = 1, dtype: str = "float32", backend: str = "auto", progress: bool = False,
-        check: bool = True, timeout: float | None = None) -> Results:
+        check: bool = True, timeout: float | None = None, one_launch: bool = False) -> Results:
     """Time all-reduce variants for every (world size, size) and return the records.
 
     Each (world size, size) is one `course_lib.launch` of `world_size` ranks that times every
@@ -404,7 +557,7 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
     Args:
         sizes: bytes per rank, as ints or strings like "16MiB".
         world_sizes: numbers of ranks to try (each at least 2); default [2, 4], or torchrun's WORLD_SIZE.
-        variants: any of "naive", "parameter_server", "ring", "builtin".
+        variants: any of ALL_VARIANTS ("naive", ..., "tree", "builtin"), or ["all"].
         reps: kept repetitions per variant and size (the median and spread come from these).
         warmup: calls per variant thrown away first.
         dtype: element type, e.g. "float32".
@@ -412,6 +565,8 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
         progress: print one line per finished (world size, size) to stderr.
         check: compare each variant's first result with torch.distributed.all_reduce's.
         timeout: seconds allowed per launch (default: generous, from the sizes).
+        one_launch: measure every size in one launch per world size (the same processes and sockets
+            for all of them, as a figure comparing sizes wants); default one launch per size.
 
     Returns:
         `Results`, a list of `Result` ordered by world size, size, variant.
@@ -431,12 +586,13 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
     world_sizes = [2, 4] if world_sizes is None else [int(g) for g in world_sizes]
     if any(g < 2 for g in world_sizes):
         raise ValueError(f"all-reduce needs at least 2 ranks to measure anything; got world_sizes={world_sizes}")
-    results, total, done, started = Results(), len(sizes) * len(world_sizes), 0, time.perf_counter()
+    groups = [sizes] if one_launch else [[nbytes] for nbytes in sizes]
+    results, total, done, started = Results(), len(groups) * len(world_sizes), 0, time.perf_counter()
     for world_size in world_sizes:
-        for nbytes in sizes:
-            limit = timeout or _launch_timeout(nbytes, world_size, len(variants), warmup + reps)
+        for group in groups:
+            limit = timeout or sum(_launch_timeout(n, world_size, len(variants), warmup + reps) for n in group)
             records = course_lib.launch(_measure_on_launched_rank, world_size=world_size, backend=backend,
-                                        args=(nbytes, variants, reps, warmup, dtype, check), timeout=limit)[0]
+                                        args=(group, variants, reps, warmup, dtype, check), timeout=limit)[0]
             results.extend(Result(**record) for record in records)
             done += 1
             if progress:
@@ -494,12 +650,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB",
                         help="bytes per rank, comma-separated, e.g. 1KiB,1MiB,16MiB (default %(default)s)")
     parser.add_argument("--world-sizes", default=None, help="numbers of ranks, e.g. 2,4,8 (default 2,4)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="default %(default)s")
-    parser.add_argument("--reps", type=int, default=5, help="kept repetitions (default %(default)s)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"default %(default)s; 'all' = {','.join(ALL_VARIANTS)}")
+    parser.add_argument("--reference", default=None,
+                        help="variant to pair every other one with, per repetition (e.g. builtin or ring)")
+    parser.add_argument("--reps", type=int, default=9, help="kept repetitions (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded calls per variant (default %(default)s)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--json", metavar="PATH", help="write the records and the run's description as JSON")
+    parser.add_argument("--save", metavar="STEM",
+                        help="write STEM.json and STEM.md (e.g. benchmarks/results/bench_4ranks)")
     parser.add_argument("--plot", metavar="PATH", help="save a plot (matplotlib) of time and busbw against size")
     parser.add_argument("--no-check", action="store_true", help="skip comparing results with the built-in all_reduce")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -513,15 +674,24 @@ def main(argv=None) -> int:
         world_sizes = None if args.world_sizes is None else [int(g) for g in _comma_list(args.world_sizes)]
     else:
         world_sizes = None if args.world_sizes is None else [int(g) for g in _comma_list(args.world_sizes)]
-    results = run(sizes, world_sizes, _comma_list(args.variants), reps=args.reps, warmup=args.warmup,
+    variants = _check_variants(_comma_list(args.variants))
+    if args.reference is not None and args.reference not in variants:
+        raise SystemExit(f"--reference {args.reference} is not among the variants timed ({','.join(variants)})")
+    load_before = machine_description()["loadavg"]
+    results = run(sizes, world_sizes, variants, reps=args.reps, warmup=args.warmup,
                   dtype=args.dtype, backend=args.backend, progress=not args.quiet, check=not args.no_check)
     if course_lib.under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # every rank has the same records; rank 0 reports them
-    print(results.table())
+    print(results.table(args.reference))
+    meta = {"command": " ".join(["python -m course_lib.bench"] + (sys.argv[1:] if argv is None else list(argv))),
+            "reps": args.reps, "warmup": args.warmup, "reference": args.reference,
+            "loadavg_before": load_before, "loadavg_after": machine_description()["loadavg"]}
     if args.json:
-        results.to_json(args.json, meta={"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                                         "reps": args.reps, "warmup": args.warmup})
+        results.to_json(args.json, meta=meta)
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.save:
+        for path in results.save(args.save, args.reference, meta=meta):
+            print(f"wrote {path}", file=sys.stderr)
     if args.plot:
         import matplotlib
 

@@ -11,15 +11,21 @@ for a tensor of n bytes on each of G ranks. The optional gamma term is the reduc
 (c(G) * n bytes added up on the busiest rank, gamma seconds per byte); `predict` accepts it, `fit`
 folds it into beta (see `fit` for why).
 
-    model              a(G)            b(G)             c(G)          source of the counts
-    naive              G-1             G-1              G-1           course_lib.allreduce.naive
-    parameter_server   2(G-1)          2(G-1)           G-1           the root receives, then sends, G-1 times
-    ring               2(G-1)          2(G-1)/G         (G-1)/G       course_lib.allreduce.ring
-    tree               2 log2 G        2 log2 G         log2 G        binary tree: reduce up, broadcast down,
-                                                                      the whole tensor at every level
-    halving_doubling   2 log2 G        2(G-1)/G         (G-1)/G       Rabenseifner; G a power of two
+    model               a(G)              b(G)                 c(G)       source of the counts
+    naive               G-1               G-1                  G-1        course_lib.allreduce.naive
+    parameter_server    2(G-1)            2(G-1)               G-1        the root receives, then sends, G-1 times
+    ring                2(G-1)            2(G-1)/G             (G-1)/G    course_lib.allreduce.ring
+    ring_pipelined      2(G-1)            2(G-1)/G             (G-1)/G    fast_allreduce: the ring's counts; what
+                                                                          changes is the fitted beta (adding hides
+                                                                          behind receiving)
+    ring_bidirectional  2(G-1)            (G-1)/G              (G-1)/G    fast_allreduce: half the bytes on each of
+                                                                          a rank's two links, if they are independent
+    tree                2 L               2 L                  L          binomial tree: reduce up, broadcast down,
+                                                                          the whole tensor at every level
+    halving_doubling    2 log2 P + 2f     2(P-1)/P + 2f        (P-1)/P+f  Rabenseifner; P = largest power of two
+                                                                          <= G, f = 1 when G is not one (fold, unfold)
 
-(log2 G is rounded up.) The ring's b(G) tends to 2: its time hardly grows with G for large
+(L = log2 G rounded up.) The ring's b(G) tends to 2: its time hardly grows with G for large
 tensors, which is why NCCL uses it; its a(G) grows linearly, which is why small tensors and very
 many ranks want a tree or halving-doubling instead.
 
@@ -35,12 +41,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Model", "MODELS", "model_for", "predict", "Fit", "fit", "fit_results", "crossover_bytes",
-           "Link", "NVLINK4_H100", "INFINIBAND_NDR", "LINKS", "Prediction", "extrapolate"]
+__all__ = ["Model", "MODELS", "model_for", "predict", "Fit", "fit", "fit_results", "fit_all", "crossover_bytes",
+           "Link", "NVLINK4_H100", "INFINIBAND_NDR", "LINKS", "Prediction", "extrapolate",
+           "HierarchicalPrediction", "hierarchical_ring"]
 
 
 def _log2_up(g):
     return np.ceil(np.log2(np.maximum(g, 1)))
+
+
+def _log2_down(g):
+    return np.floor(np.log2(np.maximum(g, 1)))
+
+
+def _folds(g):
+    """1 where G is not a power of two (halving-doubling folds the extra ranks in first), else 0."""
+    g = np.asarray(g, dtype=float)
+    return (2.0 ** _log2_down(g) != g).astype(float)
+
+
+def _hd_traffic(g):
+    p = 2.0 ** _log2_down(g)
+    return 2 * (p - 1) / p + 2 * _folds(g)
 
 
 @dataclass(frozen=True)
@@ -67,10 +89,15 @@ MODELS = {
                               "2(G-1) alpha + 2(G-1) n beta"),
     "ring": Model("ring", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1) / g, lambda g: (g - 1) / g,
                   "2(G-1) alpha + 2(G-1)/G n beta"),
+    "ring_pipelined": Model("ring_pipelined", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1) / g,
+                            lambda g: (g - 1) / g, "2(G-1) alpha + 2(G-1)/G n beta"),
+    "ring_bidirectional": Model("ring_bidirectional", lambda g: 2 * (g - 1), lambda g: (g - 1) / g,
+                                lambda g: (g - 1) / g, "2(G-1) alpha + (G-1)/G n beta"),
     "tree": Model("tree", lambda g: 2 * _log2_up(g), lambda g: 2 * _log2_up(g), lambda g: _log2_up(g),
                   "2 log2(G) alpha + 2 log2(G) n beta"),
-    "halving_doubling": Model("halving_doubling", lambda g: 2 * _log2_up(g), lambda g: 2 * (g - 1) / g,
-                              lambda g: (g - 1) / g, "2 log2(G) alpha + 2(G-1)/G n beta"),
+    "halving_doubling": Model("halving_doubling", lambda g: 2 * _log2_down(g) + 2 * _folds(g), _hd_traffic,
+                              lambda g: _hd_traffic(g) / 2,
+                              "2 log2(P) alpha + 2(P-1)/P n beta (P = G a power of two; else +2 alpha +2 n beta)"),
 }
 # Other names a result may carry: the master is the parameter server; gloo's built-in all_reduce
 # is itself a ring (gloo/allreduce.cc), so it is described by the ring's model.
@@ -253,23 +280,54 @@ def fit_results(results, variant: str, world_size=None, model=None, weighting: s
     return fit(model or variant, [r.world_size for r in rows], [r.nbytes for r in rows], times, weighting=weighting)
 
 
-def crossover_bytes(model_a, model_b, world_size, alpha: float, beta: float, gamma: float = 0.0) -> float:
+def fit_all(results, variants=None, world_size=None, statistic: str = "median",
+            weighting: str = "relative") -> dict:
+    """{variant: Fit} for every variant in `results` that has a model (all of them unless `variants`).
+
+    Each variant gets its own alpha and beta: the same formula fitted to two implementations (ring
+    and ring_pipelined) gives two pairs, and their difference is what pipelining changed.
+    """
+    present = sorted({r.variant for r in results})
+    names = [v for v in (variants or present) if v in present]
+    return {v: fit_results(results, v, world_size=world_size, statistic=statistic, weighting=weighting)
+            for v in names}
+
+
+def _line(model, world_size, alpha, beta, gamma):
+    """(seconds at n = 0, seconds per byte) of one model on `world_size` ranks: time = A + n B."""
+    steps, traffic, reduction = model_for(model).terms(world_size, 1.0)
+    return float(steps * alpha), float(traffic * beta + reduction * gamma)
+
+
+def crossover_bytes(model_a, model_b, world_size, alpha: float | None = None, beta: float | None = None,
+                    gamma: float = 0.0) -> float:
     """The tensor size (bytes per rank) at which two models take the same time on `world_size` ranks.
 
-    Both times are straight lines in n, so they meet at most once; below that size the model with
-    fewer steps wins, above it the one with fewer bytes. Returns inf when the lines never meet for
-    n > 0 (e.g. naive and ring on 2 ranks: the ring moves the same bytes in twice the steps).
+    Both times are straight lines in n, time = A + n B, so they meet at most once, at
+    n* = (A_b - A_a) / (B_a - B_b); below it the line with the smaller A (fewer steps) wins, above it
+    the one with the smaller B (fewer bytes). Returns inf when the lines never meet for n > 0 (e.g.
+    naive and ring on 2 ranks: the ring moves the same bytes in twice the steps).
+
+    Args:
+        model_a, model_b: model names with one shared `alpha`, `beta` (and `gamma`), or two `Fit`s,
+            each bringing its own alpha and beta (measured variants: then alpha/beta are not given).
+        world_size: G.
 
     Example::
 
         >>> crossover_bytes("naive", "ring", 4, alpha=1e-4, beta=1e-9)   # G alpha / ((G-2) beta)
         200000.0
     """
-    a_steps, a_bytes, a_reduce = model_for(model_a).terms(world_size, 1.0)
-    b_steps, b_bytes, b_reduce = model_for(model_b).terms(world_size, 1.0)
-    # time_a - time_b = latency_gap + n * per_byte_gap
-    latency_gap = float((a_steps - b_steps) * alpha)
-    per_byte_gap = float((a_bytes - b_bytes) * beta + (a_reduce - b_reduce) * gamma)
+    lines = []
+    for model in (model_a, model_b):
+        if isinstance(model, Fit):
+            lines.append(_line(model.model, world_size, model.alpha, model.beta, 0.0))
+        elif alpha is None or beta is None:
+            raise ValueError(f"crossover_bytes: give alpha and beta for model {model!r}, or pass a Fit")
+        else:
+            lines.append(_line(model, world_size, alpha, beta, gamma))
+    (a_fixed, a_per_byte), (b_fixed, b_per_byte) = lines
+    latency_gap, per_byte_gap = a_fixed - b_fixed, a_per_byte - b_per_byte  # time_a - time_b = gap + n gap'
     if per_byte_gap == 0 or latency_gap * per_byte_gap >= 0:
         return math.inf
     return -latency_gap / per_byte_gap
@@ -360,3 +418,105 @@ def extrapolate(models, world_sizes, sizes, link: Link | None = None, alpha: flo
         raise ValueError("give a link, or both alpha and beta")
     return [Prediction(model_for(m).name, int(g), int(n), float(predict(m, g, n, alpha, beta, gamma)), label)
             for m in models for g in world_sizes for n in sizes]
+
+
+# --------------------------------------------------------------------------------------------------
+# On paper: a hierarchical ring for nodes of several GPUs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HierarchicalPrediction:
+    """Modelled time of a two-level all-reduce, phase by phase, beside a flat ring over every rank.
+
+    Attributes:
+        nodes, gpus_per_node: M and g; the world size is G = M g.
+        nbytes: bytes per rank.
+        form: 'rs_ar_ag' or 'three_rings' (see `hierarchical_ring`).
+        phases: [(name, steps, seconds)] in order.
+        seconds: their sum.
+        flat_ring_seconds: one ring over all G ranks, every step as slow as the inter-node link.
+        kind: always 'model'.
+    """
+
+    nodes: int
+    gpus_per_node: int
+    nbytes: int
+    form: str
+    phases: tuple
+    seconds: float
+    flat_ring_seconds: float
+    kind: str = "model"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def steps(self) -> int:
+        return int(sum(steps for _, steps, _ in self.phases))
+
+    @property
+    def speedup_over_flat_ring(self) -> float:
+        return self.flat_ring_seconds / self.seconds
+
+
+def hierarchical_ring(nodes: int, gpus_per_node: int, nbytes, intra: Link = NVLINK4_H100,
+                      inter: Link = INFINIBAND_NDR, form: str = "rs_ar_ag") -> HierarchicalPrediction:
+    """Model (on paper) a node x GPU all-reduce built from rings, for world sizes no laptop runs.
+
+    M nodes of g GPUs, n bytes per GPU; inside a node the GPUs are linked by `intra`, nodes by
+    `inter` (one port per GPU, as in DGX-class machines). Two standard forms:
+
+    form='rs_ar_ag' (reduce-scatter / all-reduce / all-gather, as NCCL and Horovod's hierarchical
+    all-reduce do it):
+
+        1. ring reduce-scatter inside each node      (g-1) alpha_in + (g-1)/g n beta_in
+        2. g ring all-reduces across nodes at once,  2(M-1) alpha_out + 2(M-1)/M (n/g) beta_out
+           one per local GPU index, on its shard of n/g bytes
+        3. ring all-gather inside each node          (g-1) alpha_in + (g-1)/g n beta_in
+
+    form='three_rings' (ring inside, ring across, ring inside again, through one leader GPU per node):
+
+        1. ring all-reduce inside each node          2(g-1) alpha_in + 2(g-1)/g n beta_in
+        2. ring all-reduce across the M leaders      2(M-1) alpha_out + 2(M-1)/M n beta_out
+        3. leader broadcasts inside the node (ring)  (g-1) alpha_in + n beta_in   (pipelined broadcast)
+
+    A flat ring over all G = M g ranks takes 2(G-1) steps, each as slow as the slowest link it
+    crosses (inter-node): 2(G-1) alpha_out + 2(G-1)/G n beta_out. The hierarchy wins twice: far fewer
+    slow steps (2(M-1) instead of 2(G-1)), and in 'rs_ar_ag' only n/g bytes per GPU cross the network.
+
+    Args:
+        nodes: M (>= 1); gpus_per_node: g (>= 1).
+        nbytes: bytes per GPU (a number).
+        intra, inter: `Link`s (defaults: NVLink 4 inside, InfiniBand NDR across).
+        form: 'rs_ar_ag' or 'three_rings'.
+
+    Returns:
+        A `HierarchicalPrediction` (kind 'model': numbers from formulas, not measurements).
+
+    Example::
+
+        >>> p = hierarchical_ring(128, 8, 2**30)          # 1024 GPUs, 1 GiB each
+        >>> p.world_size, p.steps, round(p.speedup_over_flat_ring, 1)
+        (1024, 268, 4.9)
+    """
+    if int(nodes) != nodes or int(gpus_per_node) != gpus_per_node or nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"nodes and gpus_per_node must be whole numbers >= 1, got {nodes} and {gpus_per_node}")
+    if form not in ("rs_ar_ag", "three_rings"):
+        raise ValueError(f"form must be 'rs_ar_ag' or 'three_rings', got {form!r}")
+    m, g, n = int(nodes), int(gpus_per_node), float(nbytes)
+    if form == "rs_ar_ag":
+        phases = (("reduce_scatter inside nodes", g - 1, (g - 1) * intra.alpha + (g - 1) / g * n * intra.beta),
+                  ("all_reduce across nodes", 2 * (m - 1),
+                   2 * (m - 1) * inter.alpha + 2 * (m - 1) / m * (n / g) * inter.beta),
+                  ("all_gather inside nodes", g - 1, (g - 1) * intra.alpha + (g - 1) / g * n * intra.beta))
+    else:
+        phases = (("all_reduce inside nodes", 2 * (g - 1),
+                   2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * n * intra.beta),
+                  ("all_reduce across node leaders", 2 * (m - 1),
+                   2 * (m - 1) * inter.alpha + 2 * (m - 1) / m * n * inter.beta),
+                  ("broadcast inside nodes", g - 1, ((g - 1) * intra.alpha + n * intra.beta) if g > 1 else 0.0))
+    world = m * g
+    flat = float(predict("ring", world, n, inter.alpha, inter.beta))
+    return HierarchicalPrediction(m, g, int(n), form, phases, float(sum(t for _, _, t in phases)), flat)

@@ -94,8 +94,86 @@ def test_bad_arguments_fail_before_any_rank_starts():
         bench.run([1024], world_sizes=[1])
     with pytest.raises(ValueError, match="unknown variant"):
         bench.run([1024], world_sizes=[2], variants=["ring", "telepathy"])
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.run([1024], world_sizes=[2], variants=[])
     with pytest.raises(ValueError, match="reps"):
         bench.run([1024], world_sizes=[2], reps=0)
+
+
+def test_spread_and_paired_ratios():
+    assert bench.spread([3.0, 1.0, 2.0, 5.0, 4.0]) == dict(median=3.0, q1=2.0, q3=4.0, min=1.0, max=5.0, n=5)
+    assert bench.spread([7.0]) == dict(median=7.0, q1=7.0, q3=7.0, min=7.0, max=7.0, n=1)
+    with pytest.raises(ValueError):
+        bench.spread([])
+    # Paired: repetition by repetition, so a slow repetition slows both and the ratio stays put.
+    ref = bench.Result("builtin", 4, 1024, 256, "float32", "gloo", times=[1.0, 2.0, 10.0])
+    fast = bench.Result("tree", 4, 1024, 256, "float32", "gloo", times=[0.5, 1.0, 5.0])
+    results = bench.Results([fast, ref])
+    assert results.ratios("tree", "builtin", 4, 1024) == [0.5, 0.5, 0.5] == fast.ratios(ref)
+    assert fast.median / ref.median == 0.5
+    other_size = bench.Result("builtin", 4, 2048, 512, "float32", "gloo", times=[1.0, 2.0, 10.0])
+    with pytest.raises(ValueError, match="same repetitions"):
+        fast.ratios(other_size)
+    table = results.table("builtin")
+    assert "x builtin" in table and "0.500 (0.50..0.50)" in table
+    markdown = results.to_markdown("builtin", meta={"loadavg_before": [0.5, 0.4, 0.3], "note": "a test"})
+    assert "| tree | 1.00 s | 750.00 ms..3.00 s | 500.00 ms..5.00 s |" in markdown and "0.500 (0.50..0.50; 0.50..0.50)" in markdown
+    assert "Load average (1, 5, 15 min): [0.5, 0.4, 0.3]" in markdown and "Note: a test" in markdown
+
+
+def test_machine_description_says_what_a_reader_needs():
+    info = bench.machine_description()
+    assert info["cpus"] >= 1 and info["torch"] and info["python"] and info["date"]
+    assert info["cpus_usable"] >= 1 and isinstance(info["cpu_model"], str)
+    assert info["loadavg"] is None or len(info["loadavg"]) == 3
+
+
+def test_every_variant_by_name_and_rotating_order(monkeypatch):
+    # 'all' is every registered variant and the built-in; each call is logged by the rank that makes
+    # it, so the order within each repetition can be read back: it must rotate.
+    import torch.distributed as dist
+
+    assert bench._check_variants(["all"]) == bench.ALL_VARIANTS
+    assert set(bench.ALL_VARIANTS) - {"builtin"} == set(allreduce.VARIANTS) - {"master"}
+    with pytest.raises(ValueError, match="twice"):
+        bench._check_variants(["ring", "ring"])
+    calls = []
+
+    def logged(name):
+        def fn(tensor, op="SUM"):
+            calls.append(name)
+            dist.all_reduce(tensor)
+        return fn
+
+    for name in "abc":
+        monkeypatch.setitem(allreduce.VARIANTS, name, logged(name))
+
+    def rank_fn(rank, world_size):
+        bench.measure_in_rank(64, ("a", "b", "c"), reps=4, warmup=1)
+        return calls
+
+    import course_lib
+
+    order = course_lib.launch(rank_fn, 2, backend="gloo")[0]
+    assert [order[i:i + 3] for i in range(0, 15, 3)] == [list("abc"), list("bca"), list("cab"), list("abc"), list("bca")]
+
+
+def test_one_launch_for_all_sizes_and_saved_results(tmp_path):
+    results = bench.run([1024, 4096], world_sizes=[3], variants=["ring", "tree", "builtin"], reps=2, warmup=0,
+                        backend="gloo", one_launch=True)
+    _check_records(results, [1024, 4096], 3, ("ring", "tree", "builtin"), reps=2)
+    json_path, md_path = results.save(tmp_path / "sub" / "out", "builtin", meta={"note": "unit test"})
+    document = json.loads(open(json_path).read())
+    assert document["meta"]["reference"] == "builtin" and document["meta"]["cpus"] >= 1
+    for record in document["results"]:
+        if record["variant"] == "builtin":
+            assert "paired_ratios" not in record
+        else:
+            ref = next(r for r in document["results"] if r["variant"] == "builtin" and r["nbytes"] == record["nbytes"])
+            assert record["paired_ratios"] == [t / b for t, b in zip(record["times"], ref["times"])]
+            assert record["paired_ratio"]["median"] == statistics.median(record["paired_ratios"])
+    text = open(md_path).read()
+    assert text.count("## 3 ranks") == 2 and "| tree |" in text and "Note: unit test" in text
 
 
 def test_cli_writes_valid_json_and_a_plot(tmp_path):
@@ -117,3 +195,22 @@ def test_cli_writes_valid_json_and_a_plot(tmp_path):
     assert "[2/2," in done.stderr  # progress lines
     assert "ring" in done.stdout and "busbw" in done.stdout
     assert len(bench.Results.from_json(out)) == 4
+
+
+def test_cli_saves_markdown_and_json_with_paired_ratios(tmp_path):
+    stem = tmp_path / "bench_3ranks"
+    done = subprocess.run(
+        [sys.executable, "-m", "course_lib.bench", "--sizes", "4KiB", "--world-sizes", "3", "--variants",
+         "ring,halving_doubling,builtin", "--reference", "ring", "--reps", "2", "--backend", "gloo",
+         "--save", str(stem), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "x ring (IQR)" in done.stdout
+    document = json.loads((tmp_path / "bench_3ranks.json").read_text())
+    assert document["meta"]["reference"] == "ring" and document["meta"]["reps"] == 2
+    assert len(document["meta"]["loadavg_before"]) == 3
+    assert [r["variant"] for r in document["results"]] == ["ring", "halving_doubling", "builtin"]
+    assert "paired_ratios" in document["results"][1] and "paired_ratios" not in document["results"][0]
+    assert "x ring, paired" in (tmp_path / "bench_3ranks.md").read_text()
+    refused = subprocess.run([sys.executable, "-m", "course_lib.bench", "--variants", "ring", "--reference", "tree"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "not among the variants" in refused.stderr

@@ -147,3 +147,91 @@ def test_extrapolation_uses_the_stated_link_and_is_labelled_a_model():
     assert no_latency.busbw == pytest.approx(50.0)
     with pytest.raises(ValueError):
         cost.extrapolate(["ring"], [4], [1], alpha=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------
+# The faster variants (course_lib.fast_allreduce), fitted crossovers, the hierarchical ring on paper
+# -------------------------------------------------------------------------------------------------
+
+
+def test_fast_variant_models_count_what_the_algorithms_do():
+    from course_lib import fast_allreduce
+
+    for g in (2, 3, 4, 5, 6, 8, 64):
+        # Steps: the model's a(G) is the number of steps the algorithm's trace shows.
+        for name in fast_allreduce.VARIANTS:
+            assert cost.predict(name, g, 1, alpha=1, beta=0) == sum(fast_allreduce.expected_steps(name, g).values())
+        # Bytes: the busiest rank's elements sent, per element of the tensor (N divisible by everything).
+        n = 2**10 * 3 * 5 * 7
+        busiest = lambda name: max(fast_allreduce.expected_traffic(name, n, g, r)["elements_sent"]  # noqa: E731
+                                   for r in range(g)) / n
+        assert cost.predict("ring_pipelined", g, 1, alpha=0, beta=1) == pytest.approx(busiest("ring_pipelined"))
+        # bidirectional: the same bytes, half on each of two links
+        assert cost.predict("ring_bidirectional", g, 1, alpha=0, beta=1) == pytest.approx(busiest("ring_bidirectional") / 2)
+        # halving-doubling: sends then receives N more around the fold when G is not a power of two
+        p = 1 << (g.bit_length() - 1)
+        assert cost.predict("halving_doubling", g, 1, alpha=0, beta=1) == \
+            pytest.approx(2 * (p - 1) / p + (2 if p != g else 0))
+        assert cost.predict("tree", g, 1, alpha=0, beta=1) == pytest.approx(2 * busiest("tree") if g > 1 else 0)
+
+
+def test_crossover_of_two_fitted_models():
+    # Two variants with their own (alpha, beta): the tree (4 steps, 4 n bytes on 4 ranks) and the ring
+    # (6 steps, 1.5 n). Fitted from noiseless synthetic times, the crossover is where the lines meet.
+    g, sizes = [4] * 6, [2**k for k in range(8, 26, 3)]
+    tree = cost.fit("tree", g, sizes, cost.predict("tree", g, sizes, alpha=30e-6, beta=1.0e-9))
+    ring = cost.fit("ring", g, sizes, cost.predict("ring", g, sizes, alpha=80e-6, beta=0.8e-9))
+    assert (tree.alpha, tree.beta) == (pytest.approx(30e-6), pytest.approx(1.0e-9))
+    n_star = cost.crossover_bytes(tree, ring, 4)
+    assert n_star == pytest.approx((6 * 80e-6 - 4 * 30e-6) / (4 * 1.0e-9 - 1.5 * 0.8e-9))
+    assert tree.predict(4, n_star) == pytest.approx(ring.predict(4, n_star))
+    assert tree.predict(4, n_star / 2) < ring.predict(4, n_star / 2)
+    assert tree.predict(4, n_star * 2) > ring.predict(4, n_star * 2)
+    assert cost.crossover_bytes(ring, tree, 4) == pytest.approx(n_star)
+    # A fitted model that is better on both counts never crosses.
+    worse = cost.fit("ring", g, sizes, cost.predict("ring", g, sizes, alpha=90e-6, beta=0.9e-9))
+    assert cost.crossover_bytes(ring, worse, 4) == math.inf
+    with pytest.raises(ValueError, match="alpha and beta"):
+        cost.crossover_bytes("tree", ring, 4)
+
+
+@pytest.mark.parametrize("model", ["ring_pipelined", "ring_bidirectional", "halving_doubling", "tree"])
+def test_fit_all_recovers_each_variants_own_parameters(model):
+    from course_lib.bench import Result
+
+    truth = {"ring": (50e-6, 1e-9), model: (20e-6, 3e-9)}
+    records = []
+    for name, (alpha, beta) in truth.items():
+        for n in (4096, 2**16, 2**20, 2**24, 2**26):
+            t = float(cost.predict(name, 4, n, alpha, beta))
+            records.append(Result(name, 4, n, n // 4, "float32", "gloo", times=[t, t * 1.01, t * 0.99]))
+    fits = cost.fit_all(records)
+    assert set(fits) == set(truth)
+    for name, (alpha, beta) in truth.items():
+        assert (fits[name].alpha, fits[name].beta) == (pytest.approx(alpha, rel=1e-6), pytest.approx(beta, rel=1e-6))
+
+
+def test_hierarchical_ring_formulas():
+    intra, inter = cost.Link("in", 1e-6, 100e9, "test"), cost.Link("out", 10e-6, 10e9, "test")
+    n = 2**28
+    for m, g in ((8, 8), (128, 8), (1, 8), (16, 1)):
+        p = cost.hierarchical_ring(m, g, n, intra, inter)
+        assert p.world_size == m * g and p.kind == "model"
+        expected = (2 * (g - 1) * (1e-6 + n / g / 100e9)
+                    + 2 * (m - 1) * (10e-6 + n / g / m / 10e9))
+        assert p.seconds == pytest.approx(expected)
+        assert p.steps == 2 * (g - 1) + 2 * (m - 1)
+        assert p.flat_ring_seconds == pytest.approx(float(cost.predict("ring", m * g, n, 10e-6, 1 / 10e9)))
+        three = cost.hierarchical_ring(m, g, n, intra, inter, form="three_rings")
+        assert three.seconds == pytest.approx(2 * (g - 1) * (1e-6 + n / g / 100e9) + 2 * (m - 1) * (10e-6 + n / m / 10e9)
+                                              + ((g - 1) * 1e-6 + n / 100e9 if g > 1 else 0))
+        assert three.steps == 3 * (g - 1) + 2 * (m - 1)
+    # One node of one GPU per node: nothing crosses anything but the single level.
+    assert cost.hierarchical_ring(16, 1, n, intra, inter).seconds == pytest.approx(cost.hierarchical_ring(16, 1, n, intra, inter).flat_ring_seconds)
+    # 64 and 1024 GPUs in nodes of 8: the hierarchy beats a flat ring, by more at 1024.
+    s64, s1024 = (cost.hierarchical_ring(m, 8, 2**30).speedup_over_flat_ring for m in (8, 128))
+    assert 1 < s64 < s1024
+    with pytest.raises(ValueError, match="form"):
+        cost.hierarchical_ring(8, 8, n, form="mesh")
+    with pytest.raises(ValueError, match="whole numbers"):
+        cost.hierarchical_ring(0, 8, n)
