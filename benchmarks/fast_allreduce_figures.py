@@ -17,7 +17,10 @@ Issue 10's targets (4 ranks, gloo, same launch), checked at the end of the markd
     at 4 KiB the faster of halving_doubling and tree <= 0.85x ring
 
 Also fits each variant's alpha-beta model (course_lib.cost) to the medians and gives the crossover
-sizes between the small-message and large-message variants.
+sizes between the small-message and large-message variants, and (in a separate launch, after the
+timing, because a stopwatch around every addition slows it) how much of the plain ring's time goes
+into adding: overlapping the adding with the transfers, which is all ring_pipelined changes, can win
+back at most that share.
 
 Writes benchmarks/results/fast_allreduce_figures.{json,md} (or --out STEM) with the machine's
 description and the load average before and after. On a shared machine the ratios move by 15% or
@@ -29,9 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
+import time
 
-from course_lib import bench, cost
+import torch
+import torch.distributed as dist
+
+import course_lib
+from course_lib import allreduce, bench, cost, ops
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ("ring", "ring_pipelined", "ring_bidirectional", "halving_doubling", "tree", "builtin")
@@ -72,7 +81,43 @@ def crossovers(fits: dict, world_size: int) -> list[dict]:
             for a, b in pairs if a in fits and b in fits]
 
 
-def _markdown_extra(targets, fits, world_size, cross) -> str:
+def _reduction_share_rank(rank, world_size, sizes, variant, reps):
+    """Per size: median over reps of (seconds inside ops.combine_) / (seconds of the whole call), this rank."""
+    spent = [0.0]
+    combine = ops.combine_
+
+    def timed_combine(accumulator, incoming, op):
+        start = time.perf_counter()
+        try:
+            return combine(accumulator, incoming, op)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    ops.combine_ = timed_combine  # this rank's process only
+    shares = {}
+    for nbytes in sizes:
+        source = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+        rows = []
+        for rep in range(reps + 1):
+            work = source.clone()
+            dist.barrier()
+            spent[0], start = 0.0, time.perf_counter()
+            with course_lib.unchecked():
+                allreduce.get(variant)(work)
+            if rep:  # the first is a warm-up
+                rows.append(spent[0] / (time.perf_counter() - start))
+        shares[nbytes] = bench.spread(rows)["median"]
+    return shares
+
+
+def reduction_share(world_size, sizes, variant="ring", reps=5) -> dict:
+    """{nbytes: share of the call's time spent adding}, the largest share over the ranks."""
+    per_rank = course_lib.launch(_reduction_share_rank, world_size, backend="gloo", timeout=600,
+                                 args=(sizes, variant, reps))
+    return {n: max(shares[n] for shares in per_rank) for n in sizes}
+
+
+def _markdown_extra(targets, fits, world_size, cross, shares) -> str:
     lines = ["", "## Issue 10's targets (median paired ratio, same repetition)", "",
              "| target | variant | ratio median (IQR; min..max) | at most | met |", "| --- | --- | --- | --- | --- |"]
     for t in targets:
@@ -88,6 +133,10 @@ def _markdown_extra(targets, fits, world_size, cross) -> str:
     for c in cross:
         shown = "never" if c["bytes"] == float("inf") else bench.format_bytes(int(c["bytes"]))
         lines.append(f"- {c['a']} / {c['b']}: {shown}")
+    if shares:
+        lines += ["", "Share of the plain ring's time spent adding (ops.combine_, busiest rank, median; a "
+                      "separate launch after the timing): the most that overlapping adding with transfer can win.", ""]
+        lines += [f"- {bench.format_bytes(n)}: {100 * share:.1f}%" for n, share in shares.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -100,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--note", default="", help="recorded in the results, e.g. 'shared machine, exploratory'")
     parser.add_argument("--out", default=str(RESULTS / "fast_allreduce_figures"))
+    parser.add_argument("--no-share", action="store_true", help="skip measuring the ring's share of time spent adding")
     args = parser.parse_args(argv)
     if args.reps < 9:
         print(f"note: {args.reps} repetitions: fine for a look, too few for a figure to quote (>= 9)", file=sys.stderr)
@@ -112,10 +162,14 @@ def main(argv=None) -> int:
     fits = cost.fit_all(results, [v for v in args.variants.split(",") if v != "builtin"],
                         world_size=args.world_size)
     cross = crossovers(fits, args.world_size)
+    large = [n for n in (bench.parse_bytes(x) for x in args.sizes.split(",")) if n >= 2**20]
+    shares = reduction_share(args.world_size, large) if large and not args.no_share else {}
+    for n, share in shares.items():
+        print(f"ring at {bench.format_bytes(n)}: {100 * share:.1f}% of the time is spent adding")
     for t in targets:
         print(f"{t['target']}: {t['ratio']['median']:.3f} (IQR {t['ratio']['q1']:.2f}..{t['ratio']['q3']:.2f}), "
               f"target <= {t['limit']}: {'met' if t['met'] else 'NOT met'}")
-    meta = {"command": "python benchmarks/fast_allreduce_figures.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": "python benchmarks/fast_allreduce_figures.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "reps": args.reps, "warmup": args.warmup, "loadavg_before": before, "loadavg_after": after,
             "note": args.note or ("fewer than 9 repetitions: exploratory" if args.reps < 9 else "")}
     json_path, md_path = results.save(args.out, "builtin", title="Can we beat the ring? All-reduce variants, measured",
@@ -126,9 +180,10 @@ def main(argv=None) -> int:
     document["fits"] = {name: {"model": f.model, "alpha_s": f.alpha, "beta_s_per_byte": f.beta,
                                "median_relative_error": f.median_relative_error} for name, f in fits.items()}
     document["crossovers"] = [{**c, "bytes": None if c["bytes"] == float("inf") else c["bytes"]} for c in cross]
+    document["ring_reduction_share"] = {str(n): share for n, share in shares.items()}
     pathlib.Path(json_path).write_text(json.dumps(document, indent=1) + "\n")
     with open(md_path, "a", encoding="utf-8") as f:
-        f.write(_markdown_extra(targets, fits, args.world_size, cross))
+        f.write(_markdown_extra(targets, fits, args.world_size, cross, shares))
     print("wrote", json_path, md_path, file=sys.stderr)
     return 0 if all(r.correct for r in results) else 1
 

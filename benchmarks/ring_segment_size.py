@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import pathlib
+import shlex
 import sys
 
 import course_lib
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
                                 args=(sizes, segments, args.reps, args.warmup))[0]
     results = bench.Results(bench.Result(**record) for record in records)
     print(results.table("builtin"))
-    meta = {"command": "python benchmarks/ring_segment_size.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": "python benchmarks/ring_segment_size.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "reps": args.reps, "warmup": args.warmup, "loadavg_before": before,
             "loadavg_after": bench.machine_description()["loadavg"], "note": args.note,
             "segments": {_name(s): s for s in segments},

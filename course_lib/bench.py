@@ -55,6 +55,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -683,7 +684,7 @@ def main(argv=None) -> int:
     if course_lib.under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # every rank has the same records; rank 0 reports them
     print(results.table(args.reference))
-    meta = {"command": " ".join(["python -m course_lib.bench"] + (sys.argv[1:] if argv is None else list(argv))),
+    meta = {"command": "python -m course_lib.bench " + shlex.join(sys.argv[1:] if argv is None else list(argv)),
             "reps": args.reps, "warmup": args.warmup, "reference": args.reference,
             "loadavg_before": load_before, "loadavg_after": machine_description()["loadavg"]}
     if args.json:

@@ -6,7 +6,7 @@ thing about it, and each has the same contract: `fn(tensor, op)` leaves op(x_0, 
 
     variant              what changes                                   steps            elements a rank sends
     ring                 (the reference)                                2(G-1)           2(G-1) N/G
-    ring_pipelined       chunks cut into k segments: adding segment i   2(G-1)           2(G-1) N/G  (in 2(G-1) k messages)
+    ring_pipelined       chunks cut into k segments: adding segment i   2(G-1)           2(G-1) N/G, 2(G-1) k messages
                          overlaps receiving segment i+1
     ring_bidirectional   half of every chunk goes round each way        2(G-1)           2(G-1) N/G  (half on each link)
     halving_doubling     exchange with partners 2^j apart (Rabenseifner) 2 log2 P (+2)    2(P-1) N/P  (+N, see below)
@@ -27,6 +27,7 @@ others, so the result is bit-identical on every rank, like the plain ring's.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,23 @@ def _offsets(sizes: list[int]) -> list[int]:
     for size in sizes:
         out.append(out[-1] + size)
     return out
+
+
+# Receive buffers are kept from one call to the next (per thread, dtype and device). Fresh memory is
+# not free: the kernel maps and zeroes each 4 KiB page the first time it is touched, and a 64 MiB
+# all-reduce needs tens of MiB of receive buffers: thousands of page faults per call, every call.
+# The price: the largest buffer asked for stays allocated (ring_pipelined 2N/G elements, tree and
+# halving_doubling up to N), one per thread and dtype, until the process ends.
+_workspace: dict = {}
+
+
+def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A 1-D buffer of `numel` elements (like's dtype and device) to receive into, reused across calls."""
+    key = (threading.get_ident(), like.dtype, like.device)
+    buffer = _workspace.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _workspace[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel]
 
 
 # ==================================================================================================
@@ -88,10 +106,14 @@ def _offsets(sizes: list[int]) -> list[int]:
 # ends up owning during scatter-reduce, nor its right neighbour's during all-gather), 2(G-1) N/G
 # when G divides N, in 2(G-1) k messages. Steps: G-1 per phase.
 
-# Chosen by measurement (benchmarks/ring_segment_size.py, results in
-# benchmarks/results/ring_segment_size.md): on 4 ranks of this 2-core machine, segments from 256 KiB
-# to 1 MiB were all within noise of each other at 16 and 64 MiB, smaller ones paid Python's
-# per-message cost (about 30 us a segment), larger ones lost the overlap. 1 MiB is also gloo's own cap.
+# Chosen by measurement: benchmarks/ring_segment_size.py times ring_pipelined with segments from 64 KiB
+# to 8 MiB beside the plain ring and gloo's built-in (4 ranks, 16 and 64 MiB, interleaved; results in
+# benchmarks/results/ring_segment_size.md). What it showed on this 2-core machine: 64 and 256 KiB
+# segments were clearly slower in every run (1.4x to 3.7x the built-in's time), because every segment is a message
+# that costs tens of microseconds of Python and gloo bookkeeping and a wake-up of the waiting rank, and
+# with four ranks on two cores there is no idle CPU for the overlap to win back; from 1 MiB to 4 MiB
+# the differences were within the noise of a shared machine. 1 MiB is kept: the smallest size that
+# is not slower, so the overlap is as fine as it can be, and gloo's own cap.
 SEGMENT_BYTES = 1 << 20
 
 
@@ -142,17 +164,28 @@ def ring_pipelined(tensor: torch.Tensor, op=ops.SUM, segment_bytes: int | None =
         >>> course_lib.launch(fn, world_size=2)[0]
         tensor([ 0.,  3.,  6.,  9., 12., 15.])
     """
-    op = _checks.prepare("allreduce.ring_pipelined", tensor, op=op)
+    segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
+
+    def check_segment():
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0:
+            raise ValueError(f"allreduce.ring_pipelined: segment_bytes={segment_bytes!r} must be a positive "
+                             f"number of bytes, e.g. {SEGMENT_BYTES} (1 MiB), or None for the default")
+
+    op = _checks.prepare("allreduce.ring_pipelined", tensor, op=op, local=check_segment)
+    # Ranks that cut their chunks differently would wait for segments that never come: agree first.
+    _checks.agree("allreduce.ring_pipelined", {"segment_bytes": segment_bytes}, same=("segment_bytes",),
+                  device=_checks.metadata_device(tensor))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return  # nothing to combine; AVG over one rank is the value itself
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     with _flat(tensor) as flat:
-        k = segments_per_chunk(flat.numel(), world_size, flat.element_size(), segment_bytes or SEGMENT_BYTES)
+        k = segments_per_chunk(flat.numel(), world_size, flat.element_size(), segment_bytes)
         pieces = [torch.tensor_split(chunk, k) for chunk in torch.tensor_split(flat, world_size)]
-        # Two rounds of incoming segments can be in flight at once (this one and the next): two buffers.
-        # Chunk 0's segments are the largest, so every other chunk's fit in their first elements.
-        scratch = [[torch.empty_like(piece) for piece in pieces[0]] for _ in range(2)]
+        # Two rounds of incoming segments can be in flight at once (this one and the next): two buffers,
+        # each cut like chunk 0, whose segments are the largest: every other chunk's fit in their start.
+        largest = -(-flat.numel() // world_size)  # chunk 0's length
+        scratch = [torch.tensor_split(half, k) for half in _scratch(flat, 2 * largest).tensor_split(2)]
         rounds = _ring_rounds(rank, world_size)
 
         def post_receives(s):
@@ -239,7 +272,8 @@ def ring_bidirectional(tensor: torch.Tensor, op=ops.SUM) -> None:
     with _flat(tensor) as flat:
         halves = [torch.tensor_split(chunk, 2) for chunk in torch.tensor_split(flat, g)]
         clockwise, anticlockwise = [h[0] for h in halves], [h[1] for h in halves]
-        scratch = (torch.empty_like(clockwise[0]), torch.empty_like(anticlockwise[0]))
+        buffer = _scratch(flat, clockwise[0].numel() + anticlockwise[0].numel())
+        scratch = (buffer[: clockwise[0].numel()], buffer[clockwise[0].numel():])
 
         def exchange(moves, reduce):
             """moves: (parts, send index, recv index, to, from, tag, scratch) for each direction."""
@@ -347,7 +381,7 @@ def halving_doubling(tensor: torch.Tensor, op=ops.SUM) -> None:
                     if sits_out:
                         p2p.send(flat, rank + 1)
                     elif folds:
-                        incoming = torch.empty_like(flat)
+                        incoming = _scratch(flat, flat.numel())
                         p2p.recv(incoming, rank - 1)
                         ops.combine_(flat, incoming, op)
         if not sits_out:
@@ -366,8 +400,7 @@ def _halving_doubling_core(flat, op, virtual, p, extra, world_size):
     """The power-of-two algorithm among the P ranks that take part (virtual ranks 0..P-1)."""
     real = lambda v: 2 * v + 1 if v < extra else v + extra  # noqa: E731  virtual rank -> real rank
     halvings = _hd_halvings(virtual, p, flat.numel())
-    scratch = torch.empty(max([keep[1] - keep[0] for _, keep, _ in halvings], default=0),
-                          dtype=flat.dtype, device=flat.device)
+    scratch = _scratch(flat, max([keep[1] - keep[0] for _, keep, _ in halvings], default=0))
     with traffic.phase("reduce_scatter"):
         for step in traffic.steps(len(halvings)):
             partner, (keep_lo, keep_hi), (give_lo, give_hi) = halvings[step]
@@ -435,7 +468,7 @@ def tree(tensor: torch.Tensor, op=ops.SUM) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     levels = (world_size - 1).bit_length()  # ceil(log2 G)
     with _flat(tensor) as flat:
-        incoming = torch.empty_like(flat) if _children(rank, world_size) else None
+        incoming = _scratch(flat, flat.numel()) if _children(rank, world_size) else None
         with traffic.phase("reduce"):
             for step in traffic.steps(levels):
                 mask = 1 << step

@@ -153,3 +153,22 @@ def test_step_formulas():
 def test_variants_are_registered_under_stable_names():
     for name in NAMES:
         assert allreduce.get(name) is fast_allreduce.VARIANTS[name] is getattr(fast_allreduce, name)
+
+
+def _bad_segments_rank(rank, g):
+    outcomes = []
+    for segment in ([0, 0, 0], [1024, 2048, 1024], ["1MiB"] * 3):
+        try:
+            fast_allreduce.ring_pipelined(torch.ones(10), segment_bytes=segment[rank])
+            outcomes.append("ran")
+        except ValueError as exc:  # MismatchError is a ValueError
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    return outcomes
+
+
+def test_bad_or_disagreeing_segment_sizes_fail_clearly_instead_of_hanging():
+    results = run(_bad_segments_rank, 3, timeout=60)
+    for rank, (zero, differ, text) in enumerate(results):
+        assert "segment_bytes=0 must be a positive number of bytes" in zero
+        assert "disagree about segment_bytes" in differ and "rank 1: 2048" in differ
+        assert "segment_bytes='1MiB'" in text
