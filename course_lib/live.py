@@ -164,6 +164,10 @@ def progress(iterable: Iterable, desc: str = "", total: int | None = None, delay
             _rankstate.set_progress("")
         return
     state = {"done": 0, "item": None, "started": time.monotonic()}
+    # Draw the bar once here, so its first use (which imports course_lib.training) happens in this thread and
+    # not in the live line's: a launch that forks while another thread is importing leaves that import's
+    # locks held in the ranks, and a rank that then imports the same module waits forever.
+    _bar(0, total)
 
     def render():
         elapsed = time.monotonic() - state["started"]

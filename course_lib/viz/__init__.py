@@ -8,3 +8,4 @@ figures read in light and dark themes and without colour vision.
 from course_lib.viz.buffers import *  # noqa: F401,F403
 from course_lib.viz.stepper import *  # noqa: F401,F403
 from course_lib.viz.traffic_plots import *  # noqa: F401,F403
+from course_lib.viz.schedule import *  # noqa: F401,F403
