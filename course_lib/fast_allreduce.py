@@ -106,15 +106,21 @@ def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
 # ends up owning during scatter-reduce, nor its right neighbour's during all-gather), 2(G-1) N/G
 # when G divides N, in 2(G-1) k messages. Steps: G-1 per phase.
 
-# Chosen by measurement: benchmarks/ring_segment_size.py times ring_pipelined with segments from 64 KiB
-# to 8 MiB beside the plain ring and gloo's built-in (4 ranks, 16 and 64 MiB, interleaved; results in
-# benchmarks/results/ring_segment_size.md). What it showed on this 2-core machine: 64 and 256 KiB
-# segments were clearly slower in every run (1.4x to 3.7x the built-in's time), because every segment is a message
-# that costs tens of microseconds of Python and gloo bookkeeping and a wake-up of the waiting rank, and
-# with four ranks on two cores there is no idle CPU for the overlap to win back; from 1 MiB to 4 MiB
-# the differences were within the noise of a shared machine. 1 MiB is kept: the smallest size that
-# is not slower, so the overlap is as fine as it can be, and gloo's own cap.
-SEGMENT_BYTES = 1 << 20
+# Chosen by measurement: benchmarks/ring_segment_size.py times ring_pipelined with several segment
+# sizes beside the plain ring and gloo's built-in (4 ranks, 16 and 64 MiB per rank, interleaved).
+# On this 2-core machine with nothing else running (benchmarks/results/ring_segment_size.md, 11
+# repetitions, and ring_segment_size_quiet{1,2,3}.md, three launches of 15):
+#   - 256 and 512 KiB segments were slower than 1 MiB, and 1 MiB slower than 2-8 MiB at 64 MiB
+#     (median time / built-in's over the three launches: 1 MiB 0.97, 4 MiB 0.92, 8 MiB 0.89).
+#     Every segment is a message that costs Python and gloo bookkeeping and a wake-up of the waiting
+#     rank, while adding is only 2-6% of the ring's time here (fast_allreduce_figures.py measures it):
+#     with four ranks on two cores there is little idle CPU for the overlap to win back.
+#   - At 16 MiB a chunk is 4 MiB, so 4 and 8 MiB segments run the very same schedule (one segment);
+#     their ratios still read 0.90 vs 1.04 in one launch: that is the noise of this machine.
+# 4 MiB is kept: at or near the best measured, and it still cuts a chunk into several segments once a
+# tensor is larger than 4 MiB per rank and chunk. gloo caps its segments at 1 MiB, NCCL works in
+# 128-512 KiB slices: on hardware where the link, not the CPU, is the bottleneck, smaller is better.
+SEGMENT_BYTES = 4 << 20
 
 
 def segments_per_chunk(numel: int, world_size: int, element_size: int, segment_bytes: int = SEGMENT_BYTES) -> int:
@@ -152,7 +158,7 @@ def ring_pipelined(tensor: torch.Tensor, op=ops.SUM, segment_bytes: int | None =
     Args:
         tensor: this rank's input; overwritten with the result.
         op: SUM, AVG, PRODUCT, MAX or MIN.
-        segment_bytes: largest segment, in bytes (default `SEGMENT_BYTES` = 1 MiB). Must be the same on
+        segment_bytes: largest segment, in bytes (default `SEGMENT_BYTES` = 4 MiB). Must be the same on
             every rank.
 
     Example::
@@ -169,7 +175,7 @@ def ring_pipelined(tensor: torch.Tensor, op=ops.SUM, segment_bytes: int | None =
     def check_segment():
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0:
             raise ValueError(f"allreduce.ring_pipelined: segment_bytes={segment_bytes!r} must be a positive "
-                             f"number of bytes, e.g. {SEGMENT_BYTES} (1 MiB), or None for the default")
+                             f"number of bytes, e.g. {SEGMENT_BYTES} (4 MiB), or None for the default")
 
     op = _checks.prepare("allreduce.ring_pipelined", tensor, op=op, local=check_segment)
     # Ranks that cut their chunks differently would wait for segments that never come: agree first.

@@ -109,7 +109,9 @@ def test_tiny_segments_really_cut_the_chunks():
     # 97 float32 on 3 ranks: chunks of 33, segments of 3 elements -> 11 segments a chunk.
     assert fast_allreduce.segments_per_chunk(97, 3, 4, TINY_SEGMENT) == 11
     assert fast_allreduce.segments_per_chunk(97, 3, 4) == 1
-    assert fast_allreduce.segments_per_chunk(16 * 2**20 // 4, 4, 4) == 4  # 4 MiB chunks of 1 MiB segments
+    # 64 MiB of float32 on 4 ranks: 16 MiB chunks of 4 MiB segments (the default)
+    assert fast_allreduce.segments_per_chunk(64 * 2**20 // 4, 4, 4) == 4
+    assert fast_allreduce.segments_per_chunk(16 * 2**20 // 4, 4, 4, 2**20) == 4  # 4 MiB chunks, 1 MiB segments
     with pytest.raises(ValueError, match="positive"):
         fast_allreduce.segments_per_chunk(10, 2, 4, 0)
 
