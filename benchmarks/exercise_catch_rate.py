@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="grades per notebook (median and spread)")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args(argv)
-    lines = [f"load average at start: {os.getloadavg()[0]:.1f} (2-core machine shared with other work)"]
+    lines = [f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (times move with it)"]
 
     def say(text=""):
         print(text, flush=True)
