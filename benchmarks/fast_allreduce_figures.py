@@ -5,7 +5,7 @@
 
 Variants ring, ring_pipelined, ring_bidirectional, halving_doubling, tree (course_lib) and builtin
 (torch.distributed.all_reduce on gloo) are timed in ONE launch of 4 gloo ranks: for every size,
-every repetition runs each variant once, in an order that rotates from one repetition to the next
+every repetition runs each variant once, in an order shuffled anew in every repetition
 (`course_lib.bench.measure_in_rank`), and a repetition's time is the slowest rank's. Reported per
 size and variant: median, interquartile range, min..max, and the paired ratio against the built-in
 (and against the ring for the targets below): t_variant / t_reference in the same repetition, whose

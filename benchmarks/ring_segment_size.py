@@ -7,7 +7,7 @@ Small segments overlap adding with receiving more finely but pay Python's per-me
 call, a traffic label, a gloo work object: tens of microseconds) many times; large ones pay it rarely
 but leave the link idle while a big segment is added. `course_lib.fast_allreduce.ring_pipelined`
 with each segment size, the plain ring (= one segment per chunk, no early receives) and gloo's
-built-in are timed in one launch, every repetition running each once in rotating order
+built-in are timed in one launch, every repetition running each once, in an order shuffled anew each time
 (`course_lib.bench.measure_in_rank`), and compared by paired ratios against the built-in.
 
 Writes benchmarks/results/ring_segment_size.{json,md} (or --out STEM). The default of

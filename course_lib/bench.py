@@ -22,8 +22,8 @@ How one measurement is made (inside every rank, for every size):
   rank has its result;
 * `warmup` calls per variant are thrown away (first-touch page faults, socket buffers growing),
   then `reps` are kept; variants take turns within each repetition, so a burst of load from
-  something else on the machine hits all of them alike, and the order rotates from one repetition
-  to the next (repetition i starts with variant i mod V), so no variant always runs first or right
+  something else on the machine hits all of them alike, and the order is shuffled anew in every
+  repetition (the same shuffle on every rank: `run_order`), so no variant always runs first or right
   after the same neighbour;
 * the first result of every variant is compared with `torch.distributed.all_reduce`'s (like
   nccl-tests' "#wrong" column): a fast wrong answer is not a result.
@@ -58,6 +58,7 @@ import re
 import shlex
 import statistics
 import sys
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -306,7 +307,7 @@ class Results(list):
             lines += ["", f"Note: {info['note']}"]
         reps = sorted({len(r.times) for r in self})
         lines += ["", f"Repetitions per variant: {', '.join(map(str, reps))}; each repetition runs every variant "
-                      "once (order rotating); a repetition's time is the slowest rank's."]
+                      "once (order shuffled anew each repetition); a repetition's time is the slowest rank's."]
         for g in sorted({r.world_size for r in self}):
             for n in sorted({r.nbytes for r in self.where(world_size=g)}):
                 rows = self.where(world_size=g, nbytes=n)
@@ -467,6 +468,18 @@ def _input(numel: int, dtype: torch.dtype, rank: int, device) -> torch.Tensor:
     return values.to(dtype=dtype, device=device)
 
 
+def run_order(n_variants: int, rep: int) -> list[int]:
+    """The order the variants run in during repetition `rep` (warm-up rounds included).
+
+    A shuffle seeded by the repetition's number: every rank computes the same order without a message,
+    and over many repetitions each variant runs in every position and after every other variant
+    (a fixed rotation would keep the same neighbours: variant j always right after j-1).
+    """
+    order = list(range(n_variants))
+    random.Random(rep).shuffle(order)
+    return order
+
+
 def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int = 1, dtype: str = "float32",
                     check: bool = True) -> list[dict]:
     """Time every variant at one size on this rank's process group; call it on every rank.
@@ -488,8 +501,7 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     correct = {variant: True for variant in variants}
     times = torch.zeros(len(variants), reps, dtype=torch.float64)
     for rep in range(warmup + reps):
-        start_at = rep % len(variants)  # rotate: repetition i starts with variant i mod V
-        for index in list(range(start_at, len(variants))) + list(range(start_at)):
+        for index in run_order(len(variants), rep):
             variant = variants[index]
             function = _call(variant)
             work.copy_(source)
@@ -502,7 +514,7 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[index, rep - warmup] = elapsed
-            if rep == 0 and check:  # every variant's first call (rotation starts at 0)
+            if rep == 0 and check:  # every variant's first call
                 # Sums in another order round differently: allow a few ulps per rank, nothing for integers.
                 tolerance = world_size * max(1e-5, 8 * torch.finfo(torch_dtype).eps) if torch_dtype.is_floating_point else 0
                 correct[variant] = bool(torch.allclose(work, expected, rtol=tolerance, atol=tolerance))

@@ -97,7 +97,7 @@ MODELS = {
                   "2 log2(G) alpha + 2 log2(G) n beta"),
     "halving_doubling": Model("halving_doubling", lambda g: 2 * _log2_down(g) + 2 * _folds(g), _hd_traffic,
                               lambda g: _hd_traffic(g) / 2,
-                              "2 log2(P) alpha + 2(P-1)/P n beta (P = G a power of two; else +2 alpha +2 n beta)"),
+                              "2 log2(P) alpha + 2(P-1)/P n beta (P = largest power of two <= G; +2 alpha + 2 n beta when G != P)"),
 }
 # Other names a result may carry: the master is the parameter server; gloo's built-in all_reduce
 # is itself a ring (gloo/allreduce.cc), so it is described by the ring's model.
@@ -280,15 +280,23 @@ def fit_results(results, variant: str, world_size=None, model=None, weighting: s
     return fit(model or variant, [r.world_size for r in rows], [r.nbytes for r in rows], times, weighting=weighting)
 
 
+def _has_model(variant: str) -> bool:
+    try:
+        model_for(variant)
+    except ValueError:
+        return False
+    return True
+
+
 def fit_all(results, variants=None, world_size=None, statistic: str = "median",
             weighting: str = "relative") -> dict:
-    """{variant: Fit} for every variant in `results` that has a model (all of them unless `variants`).
+    """{variant: Fit} for every variant in `results` (or only those named in `variants`) that has a model.
 
     Each variant gets its own alpha and beta: the same formula fitted to two implementations (ring
     and ring_pipelined) gives two pairs, and their difference is what pipelining changed.
     """
     present = sorted({r.variant for r in results})
-    names = [v for v in (variants or present) if v in present]
+    names = [v for v in (variants or present) if v in present and _has_model(v)]
     return {v: fit_results(results, v, world_size=world_size, statistic=statistic, weighting=weighting)
             for v in names}
 
@@ -304,8 +312,8 @@ def crossover_bytes(model_a, model_b, world_size, alpha: float | None = None, be
     """The tensor size (bytes per rank) at which two models take the same time on `world_size` ranks.
 
     Both times are straight lines in n, time = A + n B, so they meet at most once, at
-    n* = (A_b - A_a) / (B_a - B_b); below it the line with the smaller A (fewer steps) wins, above it
-    the one with the smaller B (fewer bytes). Returns inf when the lines never meet for n > 0 (e.g.
+    n* = (A_b - A_a) / (B_a - B_b); below it the line with the smaller A wins, above it the one with
+    the smaller B. Returns inf when the lines never meet for n > 0 (e.g.
     naive and ring on 2 ranks: the ring moves the same bytes in twice the steps).
 
     Args:

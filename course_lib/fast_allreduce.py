@@ -10,14 +10,15 @@ thing about it, and each has the same contract: `fn(tensor, op)` leaves op(x_0, 
                          overlaps receiving segment i+1
     ring_bidirectional   half of every chunk goes round each way        2(G-1)           2(G-1) N/G  (half on each link)
     halving_doubling     exchange with partners 2^j apart (Rabenseifner) 2 log2 P (+2)    2(P-1) N/P  (+N, see below)
-    tree                 binomial reduce to rank 0, binomial broadcast  2 ceil(log2 G)   up to (1 + ceil(log2 G)) N
+    tree                 binomial reduce to rank 0, binomial broadcast  2 ceil(log2 G)   up to ceil(log2 G) N (rank 0)
 
 (N elements per rank, G ranks, P the largest power of two <= G; every count is exact when N is
 divisible by G or P, and `expected_traffic` gives the exact count for any N.)
 
 Which one wins is a question of alpha (the fixed price of a step) against beta (the price of a byte):
 the tree and halving-doubling take log2 G steps instead of G-1, so they win for small tensors; the
-ring variants move the fewest bytes through the busiest link, so they win for large ones.
+ring variants and, when G is a power of two, halving-doubling move the fewest bytes per rank, so they
+win for large ones; the tree moves the most (rank 0 sends ceil(log2 G) N).
 `course_lib.cost` turns this into times and crossover sizes; `benchmarks/fast_allreduce_figures.py`
 measures them.
 
@@ -117,16 +118,21 @@ def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
 #     with four ranks on two cores there is little idle CPU for the overlap to win back.
 #   - At 16 MiB a chunk is 4 MiB, so 4 and 8 MiB segments run the very same schedule (one segment);
 #     their ratios still read 0.90 vs 1.04 in one launch: that is the noise of this machine.
-# 4 MiB is kept: at or near the best measured, and it still cuts a chunk into several segments once a
-# tensor is larger than 4 MiB per rank and chunk. gloo caps its segments at 1 MiB, NCCL works in
+#   - In the same launches the plain ring read 0.98 / 0.92 / 0.89 at 64 MiB (median 0.92), as 4 MiB
+#     segments did: on this machine pipelining buys nothing measurable over the plain ring; what the
+#     sweep decides is only how much a too-small segment costs.
+# 4 MiB is kept: within noise of the best (8 MiB read 0.89), and it still cuts a chunk into several
+# segments once a chunk is larger than 4 MiB, so the schedule stays the pipelined one. gloo caps its segments at 1 MiB, NCCL works in
 # 128-512 KiB slices: on hardware where the link, not the CPU, is the bottleneck, smaller is better.
 SEGMENT_BYTES = 4 << 20
 
 
 def segments_per_chunk(numel: int, world_size: int, element_size: int, segment_bytes: int = SEGMENT_BYTES) -> int:
-    """k: how many segments each of the G chunks is cut into so that none exceeds `segment_bytes`.
+    """k: how many segments each of the G chunks is cut into, k = ceil(largest chunk's bytes / segment_bytes).
 
-    Computed from the largest chunk (the first), so every rank cuts every chunk the same way.
+    Computed from the largest chunk (the first), so every rank cuts every chunk the same way. The cut
+    is made in whole elements (`torch.tensor_split` into k parts), so when `segment_bytes` is not a
+    multiple of the element size a segment can be up to one element longer than `segment_bytes`.
     """
     if segment_bytes <= 0:
         raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
@@ -521,7 +527,7 @@ def expected_steps(variant: str, world_size: int) -> dict:
     elif variant == "tree":
         counts = {"reduce": (g - 1).bit_length(), "broadcast": (g - 1).bit_length()}
     else:
-        raise ValueError(f"no step formula for {variant!r}; known: {sorted(VARIANTS)}")
+        raise ValueError(f"no step formula for {variant!r}; known: {['ring'] + sorted(VARIANTS)}")
     return {name: n for name, n in counts.items() if n}
 
 

@@ -128,9 +128,10 @@ def test_machine_description_says_what_a_reader_needs():
     assert info["loadavg"] is None or len(info["loadavg"]) == 3
 
 
-def test_every_variant_by_name_and_rotating_order(monkeypatch):
+def test_every_variant_by_name_and_a_new_order_every_repetition(monkeypatch):
     # 'all' is every registered variant and the built-in; each call is logged by the rank that makes
-    # it, so the order within each repetition can be read back: it must rotate.
+    # it, so the order within each repetition can be read back: it must be bench.run_order's, the
+    # same on both ranks, and over the repetitions no variant always follows the same neighbour.
     import torch.distributed as dist
 
     assert bench._check_variants(["all"]) == bench.ALL_VARIANTS
@@ -154,8 +155,15 @@ def test_every_variant_by_name_and_rotating_order(monkeypatch):
 
     import course_lib
 
-    order = course_lib.launch(rank_fn, 2, backend="gloo")[0]
-    assert [order[i:i + 3] for i in range(0, 15, 3)] == [list("abc"), list("bca"), list("cab"), list("abc"), list("bca")]
+    orders = course_lib.launch(rank_fn, 2, backend="gloo")
+    assert orders[0] == orders[1]
+    rounds = [orders[0][i:i + 3] for i in range(0, 15, 3)]
+    assert rounds == [["abc"[i] for i in bench.run_order(3, rep)] for rep in range(5)]
+    assert all(sorted(r) == list("abc") for r in rounds)
+    # Over 30 repetitions every variant runs first, and after each of the others.
+    orders_30 = [bench.run_order(3, rep) for rep in range(30)]
+    assert {o[0] for o in orders_30} == {0, 1, 2}
+    assert {(o[i], o[i + 1]) for o in orders_30 for i in range(2)} == {(a, b) for a in range(3) for b in range(3) if a != b}
 
 
 def test_one_launch_for_all_sizes_and_saved_results(tmp_path):

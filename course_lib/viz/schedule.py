@@ -10,7 +10,8 @@ algorithm has in common instead: one column per step, one row per rank, one arro
     viz.draw_schedule(recordings, title="tree")       # the picture
 
 Only sends are read (every message is recorded twice, once by each end); a step is a (phase, step)
-label as `course_lib.traffic` records it, in the order the phases first appear on rank 0's recording.
+label as `course_lib.traffic` records it, in the order the phases first appear over all ranks'
+recordings (not rank 0's alone: in halving_doubling on 6 ranks, rank 0 only folds and unfolds).
 """
 
 from __future__ import annotations
