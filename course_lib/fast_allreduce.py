@@ -267,6 +267,18 @@ def ring_pipelined(tensor: torch.Tensor, op=ops.SUM, segment_bytes: int | None =
 _CLOCKWISE_TAG, _ANTICLOCKWISE_TAG = 0, 1
 
 
+@dataclass(frozen=True)
+class _Move:
+    """What one direction of ring_bidirectional does in one step."""
+    parts: list            # this direction's half of every chunk
+    send: int              # index of the part sent ...
+    recv: int              # ... and of the part received
+    dest: int              # the neighbour it goes to
+    source: int            # the neighbour it comes from
+    tag: int               # keeps the two directions' messages apart
+    spare: torch.Tensor | None = None   # where a received part lands before it is added
+
+
 def ring_bidirectional(tensor: torch.Tensor, op=ops.SUM) -> None:
     """Ring all-reduce with half of every chunk going round each way, so both links of a rank work.
 
@@ -288,14 +300,13 @@ def ring_bidirectional(tensor: torch.Tensor, op=ops.SUM) -> None:
         scratch = (buffer[: clockwise[0].numel()], buffer[clockwise[0].numel():])
 
         def exchange(moves, reduce):
-            """moves: (parts, send index, recv index, to, from, tag, scratch) for each direction."""
+            """One step in both directions: post both receives, then both sends, then add (or copy)."""
             received = []
-            for parts, _, recv_index, _, source, tag, spare in moves:  # receives first, as in the ring
-                target = spare[: parts[recv_index].numel()] if reduce else parts[recv_index]
-                received.append((parts[recv_index], target,
-                                 p2p.irecv(target, source, tag=tag, chunk=recv_index)))
-            sends = [p2p.isend(parts[send_index], dest, tag=tag, chunk=send_index)
-                     for parts, send_index, _, dest, _, tag, _ in moves]
+            for move in moves:  # receives first, as in the ring
+                part = move.parts[move.recv]
+                target = move.spare[: part.numel()] if reduce else part
+                received.append((part, target, p2p.irecv(target, move.source, tag=move.tag, chunk=move.recv)))
+            sends = [p2p.isend(move.parts[move.send], move.dest, tag=move.tag, chunk=move.send) for move in moves]
             for place, target, request in received:
                 request.wait()
                 if reduce:
@@ -305,16 +316,18 @@ def ring_bidirectional(tensor: torch.Tensor, op=ops.SUM) -> None:
 
         with traffic.phase("scatter_reduce"):
             for s in traffic.steps(g - 1):
-                exchange([(clockwise, (rank - s) % g, (rank - s - 1) % g, right, left, _CLOCKWISE_TAG, scratch[0]),
-                          (anticlockwise, (rank + s) % g, (rank + s + 1) % g, left, right, _ANTICLOCKWISE_TAG,
-                           scratch[1])], reduce=True)
+                exchange([_Move(clockwise, send=(rank - s) % g, recv=(rank - s - 1) % g, dest=right, source=left,
+                                tag=_CLOCKWISE_TAG, spare=scratch[0]),
+                          _Move(anticlockwise, send=(rank + s) % g, recv=(rank + s + 1) % g, dest=left, source=right,
+                                tag=_ANTICLOCKWISE_TAG, spare=scratch[1])], reduce=True)
         ops.finish_(clockwise[(rank + 1) % g], op, g)
         ops.finish_(anticlockwise[(rank - 1) % g], op, g)
         with traffic.phase("all_gather"):
             for s in traffic.steps(g - 1):
-                exchange([(clockwise, (rank + 1 - s) % g, (rank - s) % g, right, left, _CLOCKWISE_TAG, None),
-                          (anticlockwise, (rank - 1 + s) % g, (rank + s) % g, left, right, _ANTICLOCKWISE_TAG,
-                           None)], reduce=False)
+                exchange([_Move(clockwise, send=(rank + 1 - s) % g, recv=(rank - s) % g, dest=right, source=left,
+                                tag=_CLOCKWISE_TAG),
+                          _Move(anticlockwise, send=(rank - 1 + s) % g, recv=(rank + s) % g, dest=left, source=right,
+                                tag=_ANTICLOCKWISE_TAG)], reduce=False)
 
 
 # ==================================================================================================
