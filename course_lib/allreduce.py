@@ -204,8 +204,8 @@ def ring(tensor: torch.Tensor, op=ops.SUM) -> None:
 VARIANTS = {"naive": naive, "parameter_server": parameter_server, "master": parameter_server, "ring": ring}
 
 # The faster variants live beside the ring, not in it (course_lib/fast_allreduce.py, notebook 11).
-# Registered here, after this module's own variants, so VARIANTS lists the course's order: the
-# lesson's three first, then the faster ones.
+# Imported here, at the end: fast_allreduce uses this module's chunk_sizes, which exists by now, and
+# VARIANTS then lists the course's order: the lesson's three first, then the faster ones.
 from course_lib import fast_allreduce as _fast  # noqa: E402
 
 VARIANTS.update(_fast.VARIANTS)

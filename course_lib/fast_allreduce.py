@@ -36,15 +36,10 @@ import torch.distributed as dist
 
 from course_lib import _checks, ops, p2p, traffic
 from course_lib._util import flat_view as _flat
+from course_lib.allreduce import chunk_sizes  # sizes of torch.tensor_split's parts
 
 __all__ = ["ring_pipelined", "ring_bidirectional", "halving_doubling", "tree", "SEGMENT_BYTES",
            "segments_per_chunk", "expected_traffic", "expected_steps", "VARIANTS"]
-
-
-def _chunk_sizes(numel: int, parts: int) -> list[int]:
-    """Sizes of `torch.tensor_split(x, parts)` for x of `numel` elements (the first numel % parts are one longer)."""
-    base, extra = divmod(numel, parts)
-    return [base + 1 if i < extra else base for i in range(parts)]
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -369,7 +364,7 @@ def _power_of_two_below(world_size: int) -> int:
 
 def _hd_halvings(virtual_rank: int, blocks: int, numel: int) -> list[tuple]:
     """The reduce-scatter's exchanges for one of the P ranks: [(partner, keep, give)], spans in elements."""
-    offsets = _offsets(_chunk_sizes(numel, blocks))
+    offsets = _offsets(chunk_sizes(numel, blocks))
     lo, hi, out = 0, blocks, []
     distance = blocks // 2
     while distance >= 1:
@@ -563,15 +558,15 @@ def expected_traffic(variant: str, numel: int, world_size: int, rank: int, eleme
     if g == 1:
         return dict(elements_sent=0, elements_received=0, messages_sent=0, messages_received=0)
     if variant == "ring_pipelined":
-        c = _chunk_sizes(n, g)
+        c = chunk_sizes(n, g)
         sent = 2 * n - c[(r + 1) % g] - c[(r + 2) % g]
         received = 2 * n - c[r] - c[(r + 1) % g]  # scatter-reduce never gets chunk r; all-gather not r+1
         k = segments_per_chunk(n, g, element_size, segment_bytes)
         return dict(elements_sent=sent, elements_received=received,
                     messages_sent=2 * (g - 1) * k, messages_received=2 * (g - 1) * k)
     if variant == "ring_bidirectional":
-        first = [_chunk_sizes(size, 2)[0] for size in _chunk_sizes(n, g)]
-        second = [size - f for size, f in zip(_chunk_sizes(n, g), first)]
+        first = [chunk_sizes(size, 2)[0] for size in chunk_sizes(n, g)]
+        second = [size - f for size, f in zip(chunk_sizes(n, g), first)]
         sent = (sum(first) * 2 - first[(r + 1) % g] - first[(r + 2) % g]
                 + sum(second) * 2 - second[(r - 1) % g] - second[(r - 2) % g])
         received = (sum(first) * 2 - first[r] - first[(r + 1) % g]

@@ -61,9 +61,6 @@ def _result_problems(case, records, name):
 
 
 class Naive(FunctionExercise):
-    def cases(self, hidden=False):
-        return standard_cases(hidden)
-
     def run_case(self, call, case, rank, world_size):
         return _run_all_reduce_case(call, case, rank, world_size)
 

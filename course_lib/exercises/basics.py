@@ -178,9 +178,6 @@ class Broadcast(FunctionExercise):
 
 
 class AllGather(FunctionExercise):
-    def cases(self, hidden=False):
-        return standard_cases(hidden)
-
     def run_case(self, call, case, rank, world_size):
         tensor = data.make_input(case, rank)
         start = tensor.clone()

@@ -94,7 +94,7 @@ class FunctionExercise(Exercise):
     """An SPMD function the learner writes; subclasses define the cases and how to judge them.
 
     Subclasses implement:
-        cases(hidden) -> list[Case]
+        cases(hidden) -> list[Case]    (optional: by default `cases.standard_cases(hidden)`)
         run_case(call, case, rank, world_size) -> dict     (on each rank)
             Build this rank's inputs, compute the built-in's answer, call the learner's function
             through ``call(...)`` (traced), and return what the parent needs to judge.
@@ -112,8 +112,11 @@ class FunctionExercise(Exercise):
     forbidden: tuple = ("collectives", "allreduce")
     ring_picture: bool = False  # draw the failing step of a ring schedule
 
-    def cases(self, hidden: bool = False) -> list[Case]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def cases(self, hidden: bool = False) -> list[Case]:
+        """The usual cases (world sizes, lengths, tagged and random data); exercises that need roots or
+        other sizes override this."""
+        from course_lib.exercises.cases import standard_cases  # cases.py imports this module's Case
+        return standard_cases(hidden)
 
     def run_case(self, call, case: Case, rank: int, world_size: int) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError

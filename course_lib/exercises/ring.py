@@ -22,7 +22,7 @@ import torch.distributed as dist
 from course_lib import allreduce as reference
 from course_lib import viz
 from course_lib.exercises import data
-from course_lib.exercises.cases import clone, portable, standard_cases
+from course_lib.exercises.cases import clone, portable
 from course_lib.exercises.registry import FunctionExercise, Problem, register
 
 __all__ = ["RingScatterReduce", "RingAllGather", "Ring", "ring_picture"]
@@ -210,9 +210,6 @@ def _run_all_reduce_case(call, case, rank, world_size, before=None):
 
 
 class RingScatterReduce(FunctionExercise):
-    def cases(self, hidden=False):
-        return standard_cases(hidden)
-
     def run_case(self, call, case, rank, world_size):
         return _run_all_reduce_case(call, case, rank, world_size)
 
@@ -240,9 +237,6 @@ class RingScatterReduce(FunctionExercise):
 
 
 class RingAllGather(FunctionExercise):
-    def cases(self, hidden=False):
-        return standard_cases(hidden)
-
     def run_case(self, call, case, rank, world_size):
         # Start from what a real scatter-reduce leaves: one complete chunk, partial sums elsewhere.
         return _run_all_reduce_case(call, case, rank, world_size, before=reference.ring_scatter_reduce)
@@ -259,9 +253,6 @@ class RingAllGather(FunctionExercise):
 
 
 class Ring(FunctionExercise):
-    def cases(self, hidden=False):
-        return standard_cases(hidden)
-
     def run_case(self, call, case, rank, world_size):
         return _run_all_reduce_case(call, case, rank, world_size)
 
