@@ -19,16 +19,16 @@ and the total a whole class's grade takes). The machine's load average is record
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from course_lib import bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -99,14 +99,8 @@ def main(argv=None) -> int:
                              for rep in range(args.reps)])
               for kind in ("student", "solution")}
 
-    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "when": datetime.datetime.now().isoformat(
-        timespec="seconds"), "load_before": [round(x, 2) for x in load_before],
-        "load_after": [round(x, 2) for x in load_after], "note": args.note}
-    try:
-        import torch
-        machine["torch"] = torch.__version__
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    machine = {**bench.machine_description(), "load_before": [round(x, 2) for x in load_before],
+               "load_after": [round(x, 2) for x in load_after], "note": args.note}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine, "reps": args.reps, "rows": rows,
@@ -118,8 +112,8 @@ def main(argv=None) -> int:
         f"solution (notebooks/), {args.reps} interleaved repetitions; wall time of the whole command (a fresh "
         "Python, a fresh kernel running the notebook, then every exercise checked with the hidden cases).",
         "",
-        f"Machine: {machine['cpus']} CPUs, torch {machine.get('torch', '?')}, Python {machine['python']}, "
-        f"{machine['when']}. Load average (1, 5, 15 min) before: {machine['load_before']}, after: "
+        f"Machine: {machine['cpus']} CPUs, torch {machine['torch']}, Python {machine['python']}, "
+        f"{machine['date']}. Load average (1, 5, 15 min) before: {machine['load_before']}, after: "
         f"{machine['load_after']}." + (f" Note: {args.note}" if args.note else ""),
         "",
         "| notebook | version | score | seconds, median (min..max) | spread |",

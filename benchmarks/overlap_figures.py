@@ -98,9 +98,8 @@ def measure(rank, world_size, options):
 
 
 def _spread(values) -> dict:
-    ordered = sorted(values)
-    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
-            "q1": ordered[len(ordered) // 4], "q3": ordered[(3 * len(ordered)) // 4], "values": values}
+    """bench.spread's median, quartiles and range, with the values themselves kept for the JSON."""
+    return {**bench.spread(values), "values": list(values)}
 
 
 def analyse(per_rank: list, options: dict) -> dict:
@@ -186,7 +185,7 @@ def main(argv=None) -> dict:
     per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=1800)
     result = {
         "options": options,
-        "machine": bench._machine_description(),
+        "machine": bench.machine_description(),
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.perf_counter() - started, 1),

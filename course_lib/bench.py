@@ -439,7 +439,6 @@ def machine_description() -> dict:
             "cpus_usable": usable, "cpu_model": _cpu_model(), "loadavg": load, "course_lib": course_lib.__version__}
 
 
-_machine_description = machine_description  # the older private name, used by benchmarks/overlap_figures.py
 
 
 # --------------------------------------------------------------------------------------------------

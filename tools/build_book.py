@@ -22,7 +22,6 @@ it, formulas show as their TeX source.
 from __future__ import annotations
 
 import argparse
-import base64
 import copy
 import html
 import pathlib

@@ -64,7 +64,6 @@ class PassToken(FunctionExercise):
         G = case.world_size
         tokens = records[0]["everyone"] if complete else None
         problems = []
-        inputs = tokens or [None] * G
         for rank, record in enumerate(records):
             sends = [m for m in record["messages"] if m.is_send]
             right = (rank + 1) % G

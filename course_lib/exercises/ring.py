@@ -302,7 +302,7 @@ def _history(world_size, start, messages_per_step, reducing, phase, observed=Fal
     (read from its values): what the sender really held, even where the replay assumed otherwise."""
     states = [[list(row) for row in start]]
     for messages in messages_per_step:
-        before, after = states[-1], [list(row) for row in states[-1]]
+        after = [list(row) for row in states[-1]]
         if observed:
             for m in messages:
                 after[m.src][m.chunk] = m.carries

@@ -57,7 +57,6 @@ with 2 ranks they are still bit-identical); with one bucket the buffer is today'
 from __future__ import annotations
 
 import functools
-import math
 import queue
 import threading
 import time
