@@ -105,11 +105,12 @@ KNOWN_CALLS = ("broadcast", "scatter", "gather", "all_gather", "all_to_all", "re
                "allreduce.tree")
 
 
-def _call_code(call: str) -> int:
-    return zlib.crc32(call.encode()) & 0x7FFFFFFF
+def name_code(name: str) -> int:
+    """A name as a non-negative int32, so ranks can compare names inside an integer metadata row."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
-_CALL_NAMES = {_call_code(name): name for name in KNOWN_CALLS}
+_CALL_NAMES = {name_code(name): name for name in KNOWN_CALLS}
 
 
 def _row_width(world_size: int) -> int:
@@ -144,7 +145,7 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
         return []
     names = list(fields)
     world_size = dist.get_world_size()
-    values = [1 if problem is not None else 0, _call_code(call)] + [int(fields[n]) for n in names]
+    values = [1 if problem is not None else 0, name_code(call)] + [int(fields[n]) for n in names]
     if len(values) > _row_width(world_size):
         raise ValueError(f"{call}: too many fields to agree on ({len(names)})")
     values += [0] * (_row_width(world_size) - len(values))

@@ -60,7 +60,6 @@ import functools
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -176,10 +175,6 @@ def plan_buckets(params: list, bucket_bytes: float, extra_numel: int = 2) -> lis
     return buckets
 
 
-def _name_code(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
 class GradientBuckets:
     """Fill, reduce and hand back one flat gradient buffer per step, bucket by bucket.
 
@@ -232,10 +227,10 @@ class GradientBuckets:
     def _agree(self, name):
         """Every rank must cut the same buckets and reduce them the same way, or gloo mixes messages up."""
         sizes = ",".join(str(b.numel) for b in self.buckets)
-        names = {_name_code(known): repr(known) for known in allreduce_variants.VARIANTS}
+        names = {_checks.name_code(known): repr(known) for known in allreduce_variants.VARIANTS}
         _checks.agree("train_data_parallel(bucket_mb=..., overlap=...)",
-                      {"number of buckets": len(self.buckets), "bucket sizes": _name_code(sizes),
-                       "overlap": int(self.overlap), "allreduce": _name_code(name)},
+                      {"number of buckets": len(self.buckets), "bucket sizes": _checks.name_code(sizes),
+                       "overlap": int(self.overlap), "allreduce": _checks.name_code(name)},
                       same=("number of buckets", "bucket sizes", "overlap", "allreduce"), device=self.buffer.device,
                       describe={"bucket sizes": lambda code: f"plan #{code}",
                                 "allreduce": lambda code: names.get(code, f"a function (#{code})")})
