@@ -26,7 +26,11 @@ How one measurement is made (inside every rank, for every size):
   repetition (the same shuffle on every rank: `run_order`), so no variant always runs first or right
   after the same neighbour;
 * the first result of every variant is compared with `torch.distributed.all_reduce`'s (like
-  nccl-tests' "#wrong" column): a fast wrong answer is not a result.
+  nccl-tests' "#wrong" column): a fast wrong answer is not a result;
+* with `cpu=True` every call also records the CPU time it cost (every thread of every rank's process,
+  the kernel's work for its sockets included) and how much of the machine stayed idle meanwhile
+  (Linux's /proc/stat). Time, CPU time and idle share tell apart two reasons a variant can be slower:
+  it does more work, or it leaves cores idle while ranks wait for each other.
 
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md in github.com/NVIDIA/nccl-tests), in GB/s = 1e9
 bytes per second:
@@ -171,6 +175,10 @@ class Result:
         backend: 'gloo' or 'nccl'.
         times: seconds of every kept repetition, each the slowest rank's time.
         correct: whether the variant's result matched torch.distributed.all_reduce's.
+        cpu_seconds: with `cpu=True` only: CPU seconds of every kept repetition, summed over the ranks'
+            processes (all their threads, user and kernel time).
+        idle_ticks, total_ticks: with `cpu=True` only, Linux only: the machine's idle and total CPU ticks
+            (/proc/stat, 1/100 s per CPU) during every kept repetition, summed over the ranks' readings.
     """
 
     variant: str
@@ -181,6 +189,9 @@ class Result:
     backend: str
     times: list = field(default_factory=list)
     correct: bool = True
+    cpu_seconds: list = field(default_factory=list)
+    idle_ticks: list = field(default_factory=list)
+    total_ticks: list = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -203,6 +214,21 @@ class Result:
         return (q1, q3)
 
     @property
+    def cpu_median(self) -> float | None:
+        """Median CPU seconds per call over all ranks (None unless measured with cpu=True)."""
+        return statistics.median(self.cpu_seconds) if self.cpu_seconds else None
+
+    @property
+    def idle_share(self) -> float | None:
+        """Share of the machine's CPU time left idle during this variant's calls, all repetitions together.
+
+        /proc/stat counts in ticks of 1/100 s per CPU, too coarse for one call of a few ms, so the ticks of
+        every repetition are added up before dividing. None unless measured with cpu=True on Linux.
+        """
+        total = sum(self.total_ticks)
+        return sum(self.idle_ticks) / total if total else None
+
+    @property
     def algbw(self) -> float:
         """GB/s from the median time."""
         return algbw(self.nbytes, self.median)
@@ -218,12 +244,15 @@ class Result:
         q1, q3 = self.quartiles
         record.update(median_s=self.median, min_s=self.min, max_s=self.max, q1_s=q1, q3_s=q3,
                       algbw_GBps=self.algbw, busbw_GBps=self.busbw)
+        if self.cpu_seconds:
+            record.update(cpu_median_s=self.cpu_median, idle_share=self.idle_share)
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> "Result":
         names = ("variant", "world_size", "nbytes", "numel", "dtype", "backend", "times", "correct")
-        return cls(**{name: record[name] for name in names})
+        optional = ("cpu_seconds", "idle_ticks", "total_ticks")  # absent from files written without cpu=True
+        return cls(**{name: record[name] for name in names}, **{name: record[name] for name in optional if name in record})
 
     def __str__(self) -> str:
         return (f"{self.variant} G={self.world_size} {format_bytes(self.nbytes)}: median "
@@ -274,6 +303,9 @@ class Results(list):
         """
         header = (f"{'ranks':>5}  {'size':>9}  {'variant':<18} {'median':>10}  {'min':>10}  {'max':>10}"
                   f"  {'algbw GB/s':>10}  {'busbw GB/s':>10}  {'ok':>3}")
+        with_cpu = any(r.cpu_seconds for r in self)
+        if with_cpu:
+            header += f"  {'CPU/call':>10}  {'idle':>6}"
         if reference:
             header += f"  {'x ' + reference + ' (IQR)':>24}"
         lines = [header, "-" * len(header)]
@@ -282,6 +314,9 @@ class Results(list):
                     f"{_format_seconds(r.median):>10}  {_format_seconds(r.min):>10}  "
                     f"{_format_seconds(r.max):>10}  {r.algbw:>10.3g}  {r.busbw:>10.3g}  "
                     f"{'yes' if r.correct else 'NO':>3}")
+            if with_cpu:
+                idle = "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}%"
+                line += f"  {_format_seconds(r.cpu_median) if r.cpu_seconds else '-':>10}  {idle:>6}"
             if reference:
                 paired = self._paired(r, reference)
                 line += f"  {_format_ratio(paired):>24}"
@@ -308,18 +343,28 @@ class Results(list):
         reps = sorted({len(r.times) for r in self})
         lines += ["", f"Repetitions per variant: {', '.join(map(str, reps))}; each repetition runs every variant "
                       "once (order shuffled anew each repetition); a repetition's time is the slowest rank's."]
+        if any(r.cpu_seconds for r in self):
+            lines += ["", "CPU per call: CPU seconds of all ranks' processes together (every thread, user and kernel "
+                          "time). Machine idle: the share of all CPUs' time that nothing ran during this variant's "
+                          "calls (/proc/stat, every repetition together)."]
         for g in sorted({r.world_size for r in self}):
             for n in sorted({r.nbytes for r in self.where(world_size=g)}):
                 rows = self.where(world_size=g, nbytes=n)
+                with_cpu = any(r.cpu_seconds for r in rows)
                 lines += ["", f"## {g} ranks, {format_bytes(n)} per rank ({rows[0].backend}, {rows[0].dtype})", "",
                           "| variant | median | IQR | min..max | busbw GB/s |"
+                          + (" CPU per call, all ranks: median | machine idle |" if with_cpu else "")
                           + (f" x {reference}, paired: median (IQR; min..max) |" if reference else ""),
-                          "| --- | --- | --- | --- | --- |" + (" --- |" if reference else "")]
+                          "| --- | --- | --- | --- | --- |" + (" --- | --- |" if with_cpu else "")
+                          + (" --- |" if reference else "")]
                 for r in rows:
                     q1, q3 = r.quartiles
                     row = (f"| {r.variant}{'' if r.correct else ' (WRONG RESULT)'} | {_format_seconds(r.median)} | "
                            f"{_format_seconds(q1)}..{_format_seconds(q3)} | "
                            f"{_format_seconds(r.min)}..{_format_seconds(r.max)} | {r.busbw:.3g} |")
+                    if with_cpu:
+                        idle = "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}%"
+                        row += f" {_format_seconds(r.cpu_median) if r.cpu_seconds else '-'} | {idle} |"
                     if reference:
                         paired = self._paired(r, reference)
                         row += f" {_format_ratio(paired, full=True)} |"
@@ -479,9 +524,22 @@ def run_order(n_variants: int, rep: int) -> list[int]:
     return order
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(idle, total) CPU ticks of the whole machine since boot, from /proc/stat; (0, 0) where there is none."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return ticks[3] + ticks[4], sum(ticks)  # idle + iowait: nothing ran on those CPUs
+
+
 def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int = 1, dtype: str = "float32",
-                    check: bool = True) -> list[dict]:
+                    check: bool = True, cpu: bool = False) -> list[dict]:
     """Time every variant at one size on this rank's process group; call it on every rank.
+
+    With `cpu=True` each call's CPU time (`time.process_time`: every thread of this process) and the
+    machine's idle and total ticks are recorded too, and summed over the ranks.
 
     Returns the same list of plain records on every rank (the times are already the slowest rank's),
     ready for `Result(**record)`.
@@ -499,6 +557,8 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     dist.all_reduce(expected)
     correct = {variant: True for variant in variants}
     times = torch.zeros(len(variants), reps, dtype=torch.float64)
+    # cpu=True: CPU seconds, idle ticks and total ticks of every kept call, one plane each.
+    usage = torch.zeros(3, len(variants), reps, dtype=torch.float64)
     for rep in range(warmup + reps):
         for index in run_order(len(variants), rep):
             variant = variants[index]
@@ -506,6 +566,8 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             work.copy_(source)
             _synchronize(device)
             dist.barrier()
+            if cpu:
+                cpu_start, ticks_start = time.process_time(), _cpu_ticks()
             start = time.perf_counter()
             with course_lib.unchecked():  # time the algorithm only, not course_lib's argument check
                 function(work)
@@ -513,25 +575,39 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[index, rep - warmup] = elapsed
+                if cpu:
+                    ticks = _cpu_ticks()
+                    usage[:, index, rep - warmup] = torch.tensor(
+                        [time.process_time() - cpu_start, ticks[0] - ticks_start[0], ticks[1] - ticks_start[1]],
+                        dtype=torch.float64)
             if rep == 0 and check:  # every variant's first call
                 # Sums in another order round differently: allow a few ulps per rank, nothing for integers.
                 tolerance = world_size * max(1e-5, 8 * torch.finfo(torch_dtype).eps) if torch_dtype.is_floating_point else 0
                 correct[variant] = bool(torch.allclose(work, expected, rtol=tolerance, atol=tolerance))
     # The slowest rank's time per repetition; a variant is correct only if it is correct everywhere.
     flags = torch.tensor([[float(correct[v]) for v in variants]], dtype=torch.float64)
-    local = torch.cat([times, flags.T], dim=1).to(device)
+    local = torch.cat([times, flags.T, *usage], dim=1).to(device)
     everyone = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(everyone, local)
     stacked = torch.stack(everyone).cpu()
     slowest, all_correct = stacked[:, :, :reps].amax(dim=0), stacked[:, :, reps].amin(dim=0)
+    summed = stacked[:, :, reps + 1:].sum(dim=0)  # CPU seconds, idle ticks, total ticks: every rank's together
     backend = dist.get_backend()
-    return [dict(variant=variant, world_size=world_size, nbytes=nbytes, numel=numel, dtype=dtype,
-                 backend=str(backend), times=slowest[i].tolist(), correct=bool(all_correct[i] == 1.0))
-            for i, variant in enumerate(variants)]
+    records = []
+    for i, variant in enumerate(variants):
+        record = dict(variant=variant, world_size=world_size, nbytes=nbytes, numel=numel, dtype=dtype,
+                      backend=str(backend), times=slowest[i].tolist(), correct=bool(all_correct[i] == 1.0))
+        if cpu:
+            cpu_seconds, idle, total = summed[i].view(3, reps)
+            record.update(cpu_seconds=cpu_seconds.tolist(), idle_ticks=[int(x) for x in idle.tolist()],
+                          total_ticks=[int(x) for x in total.tolist()])
+        records.append(record)
+    return records
 
 
-def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, dtype, check):
-    return [record for nbytes in sizes for record in measure_in_rank(nbytes, variants, reps, warmup, dtype, check)]
+def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, dtype, check, cpu=False):
+    return [record for nbytes in sizes
+            for record in measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -559,7 +635,7 @@ def _launch_timeout(nbytes, world_size, n_variants, calls) -> float:
 
 def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, reps: int = 5,
         warmup: int = 1, dtype: str = "float32", backend: str = "auto", progress: bool = False,
-        check: bool = True, timeout: float | None = None, one_launch: bool = False) -> Results:
+        check: bool = True, timeout: float | None = None, one_launch: bool = False, cpu: bool = False) -> Results:
     """Time all-reduce variants for every (world size, size) and return the records.
 
     Each (world size, size) is one `course_lib.launch` of `world_size` ranks that times every
@@ -579,6 +655,8 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
         timeout: seconds allowed per launch (default: generous, from the sizes).
         one_launch: measure every size in one launch per world size (the same processes and sockets
             for all of them, as a figure comparing sizes wants); default one launch per size.
+        cpu: also record every call's CPU time over all ranks and the machine's idle share
+            (`Result.cpu_median`, `Result.idle_share`).
 
     Returns:
         `Results`, a list of `Result` ordered by world size, size, variant.
@@ -594,7 +672,7 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     if course_lib.under_torchrun():
-        return _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check)
+        return _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check, cpu)
     world_sizes = [2, 4] if world_sizes is None else [int(g) for g in world_sizes]
     if any(g < 2 for g in world_sizes):
         raise ValueError(f"all-reduce needs at least 2 ranks to measure anything; got world_sizes={world_sizes}")
@@ -604,7 +682,7 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
         for group in groups:
             limit = timeout or sum(_launch_timeout(n, world_size, len(variants), warmup + reps) for n in group)
             records = course_lib.launch(_measure_on_launched_rank, world_size=world_size, backend=backend,
-                                        args=(group, variants, reps, warmup, dtype, check), timeout=limit)[0]
+                                        args=(group, variants, reps, warmup, dtype, check, cpu), timeout=limit)[0]
             results.extend(Result(**record) for record in records)
             done += 1
             if progress:
@@ -619,7 +697,8 @@ def _report_progress(done, total, started, rows) -> None:
           f"{format_bytes(first.nbytes)}: {parts}", file=sys.stderr, flush=True)
 
 
-def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check) -> Results:
+def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check,
+                        cpu=False) -> Results:
     world_size = int(os.environ["WORLD_SIZE"])
     if world_sizes is not None and list(world_sizes) not in ([], [world_size]):
         raise ValueError(f"under torchrun the number of ranks is torchrun's WORLD_SIZE={world_size}; "
@@ -634,7 +713,7 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
     try:
         results, started = Results(), time.perf_counter()
         for done, nbytes in enumerate(sizes, start=1):
-            records = measure_in_rank(nbytes, variants, reps, warmup, dtype, check)
+            records = measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu)
             results.extend(Result(**record) for record in records)
             if progress and dist.get_rank() == 0:
                 _report_progress(done, len(sizes), started, results[-len(variants):])
@@ -675,6 +754,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="write STEM.json and STEM.md (e.g. benchmarks/results/bench_4ranks)")
     parser.add_argument("--plot", metavar="PATH", help="save a plot (matplotlib) of time and busbw against size")
     parser.add_argument("--no-check", action="store_true", help="skip comparing results with the built-in all_reduce")
+    parser.add_argument("--cpu", action="store_true",
+                        help="also record each call's CPU time (all ranks) and the machine's idle share")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -691,7 +772,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--reference {args.reference} is not among the variants timed ({','.join(variants)})")
     load_before = machine_description()["loadavg"]
     results = run(sizes, world_sizes, variants, reps=args.reps, warmup=args.warmup,
-                  dtype=args.dtype, backend=args.backend, progress=not args.quiet, check=not args.no_check)
+                  dtype=args.dtype, backend=args.backend, progress=not args.quiet, check=not args.no_check,
+                  cpu=args.cpu)
     if course_lib.under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # every rank has the same records; rank 0 reports them
     print(results.table(args.reference))

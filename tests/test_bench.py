@@ -222,3 +222,49 @@ def test_cli_saves_markdown_and_json_with_paired_ratios(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "course_lib.bench", "--variants", "ring", "--reference", "tree"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "not among the variants" in refused.stderr
+
+
+def test_cpu_accounting_tells_work_from_waiting(monkeypatch, tmp_path):
+    # Two stand-in variants take about the same time: one spins the CPU for 40 ms on every rank, the
+    # other sleeps 40 ms. CPU time summed over the ranks must tell them apart: the spinner costs at
+    # least 2 ranks x 40 ms, the sleeper a small fraction of that. The idle share is a share.
+    import torch.distributed as dist
+
+    import course_lib
+
+    def spin(tensor, op="SUM"):
+        end = time.process_time() + 0.04
+        while time.process_time() < end:
+            pass
+        dist.all_reduce(tensor)
+
+    def sleep(tensor, op="SUM"):
+        time.sleep(0.04)
+        dist.all_reduce(tensor)
+
+    monkeypatch.setitem(allreduce.VARIANTS, "spin", spin)
+    monkeypatch.setitem(allreduce.VARIANTS, "sleep", sleep)
+
+    def rank_fn(rank, world_size):
+        return bench.measure_in_rank(4096, ("spin", "sleep", "builtin"), reps=3, warmup=1, cpu=True)
+
+    results = bench.Results(bench.Result(**r) for r in course_lib.launch(rank_fn, 2, backend="gloo")[0])
+    spinner, sleeper = results.get("spin", 2, 4096), results.get("sleep", 2, 4096)
+    assert len(spinner.cpu_seconds) == len(spinner.idle_ticks) == len(spinner.total_ticks) == 3
+    assert all(c >= 2 * 0.04 * 0.95 for c in spinner.cpu_seconds), spinner.cpu_seconds
+    assert sleeper.cpu_median < spinner.cpu_median / 4, (sleeper.cpu_seconds, spinner.cpu_seconds)
+    for r in results:
+        assert r.idle_share is None or 0.0 <= r.idle_share <= 1.0
+    # The CPU figures survive a round trip through JSON and appear in both reports.
+    json_path, md_path = results.save(tmp_path / "cpu", "builtin")
+    again = bench.Results.from_json(json_path)
+    assert [r.cpu_seconds for r in again] == [r.cpu_seconds for r in results]
+    assert [r.idle_ticks for r in again] == [r.idle_ticks for r in results]
+    assert "machine idle" in open(md_path).read() and "CPU/call" in results.table("builtin")
+    # Measured without cpu=True: no CPU columns, and older files without the fields still load.
+    plain = bench.Result(variant="ring", world_size=2, nbytes=64, numel=16, dtype="float32", backend="gloo",
+                         times=[0.1])
+    assert plain.cpu_median is None and plain.idle_share is None
+    assert "CPU/call" not in bench.Results([plain]).table()
+    old_record = {k: v for k, v in plain.to_dict().items() if k not in ("cpu_seconds", "idle_ticks", "total_ticks")}
+    assert bench.Result.from_dict(old_record) == plain
