@@ -545,7 +545,8 @@ def expected_traffic(variant: str, numel: int, world_size: int, rank: int, eleme
 
     The closed forms (N = numel, G = world size, c_i = size of chunk i = `tensor_split` sizes):
 
-        ring_pipelined       sent = 2N - c_{r+1} - c_{r+2}     messages 2(G-1) k
+        ring                 sent = 2N - c_{r+1} - c_{r+2}     messages 2(G-1)  (course_lib.allreduce.ring)
+        ring_pipelined       the same elements                 messages 2(G-1) k
         ring_bidirectional   the same, counted on each half-chunk ring (clockwise and anticlockwise)
         halving_doubling     sent = (N - b_v) + sum of the halves kept  (= 2 (P-1) N/P when P | N),
                              + N for a rank with a fold partner; a folded rank sends N
@@ -557,11 +558,11 @@ def expected_traffic(variant: str, numel: int, world_size: int, rank: int, eleme
     g, n, r = world_size, numel, rank
     if g == 1:
         return dict(elements_sent=0, elements_received=0, messages_sent=0, messages_received=0)
-    if variant == "ring_pipelined":
+    if variant in ("ring", "ring_pipelined"):
         c = chunk_sizes(n, g)
         sent = 2 * n - c[(r + 1) % g] - c[(r + 2) % g]
         received = 2 * n - c[r] - c[(r + 1) % g]  # scatter-reduce never gets chunk r; all-gather not r+1
-        k = segments_per_chunk(n, g, element_size, segment_bytes)
+        k = 1 if variant == "ring" else segments_per_chunk(n, g, element_size, segment_bytes)
         return dict(elements_sent=sent, elements_received=received,
                     messages_sent=2 * (g - 1) * k, messages_received=2 * (g - 1) * k)
     if variant == "ring_bidirectional":
@@ -591,4 +592,4 @@ def expected_traffic(variant: str, numel: int, world_size: int, rank: int, eleme
         children = len(_children(r, g))
         return dict(elements_sent=n * (children + up), elements_received=n * (children + up),
                     messages_sent=children + up, messages_received=children + up)
-    raise ValueError(f"no traffic formula for {variant!r}; known: {sorted(VARIANTS)}")
+    raise ValueError(f"no traffic formula for {variant!r}; known: {sorted(['ring', *VARIANTS])}")

@@ -152,6 +152,31 @@ def test_closed_forms_hold_when_the_tensor_divides_evenly():
                 assert sum(x["messages_sent"] for x in rows) == sum(x["messages_received"] for x in rows)
 
 
+def test_the_plain_rings_formula_agrees_with_viz_and_with_its_recording():
+    # expected_traffic("ring") is the plain ring's count (one message per chunk); viz.expected_traffic
+    # derives the same numbers its own way; and allreduce.ring must record exactly them.
+    from course_lib import viz
+
+    for g in range(1, 7):
+        for numel in (0, 1, g - 1, 2 * g + 1, 97):
+            other = viz.expected_traffic("ring", g, numel) if g > 1 else None
+            for r in range(g):
+                mine = fast_allreduce.expected_traffic("ring", numel, g, r)
+                if other is not None:
+                    assert mine == {key: values[r] for key, values in other.items()}, (g, numel, r)
+                assert mine["messages_sent"] == (2 * (g - 1) if g > 1 else 0)
+    recorded = run(_ring_traffic_rank, 3, 10)
+    assert recorded == [fast_allreduce.expected_traffic("ring", 10, 3, r) for r in range(3)]
+
+
+def _ring_traffic_rank(rank, g, numel):
+    tensor = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+    with traffic.record() as rec:
+        allreduce.ring(tensor)
+    return dict(elements_sent=rec.elements_sent, elements_received=rec.elements_received,
+                messages_sent=rec.messages_sent, messages_received=rec.messages_received)
+
+
 def test_step_formulas():
     assert fast_allreduce.expected_steps("tree", 5) == {"reduce": 3, "broadcast": 3}
     assert fast_allreduce.expected_steps("halving_doubling", 8) == {"reduce_scatter": 3, "all_gather": 3}
