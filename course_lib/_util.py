@@ -1,4 +1,4 @@
-"""Small tensor helpers shared by the algorithms."""
+"""Small helpers shared across course_lib: tensor views for the algorithms, a text progress bar."""
 
 from __future__ import annotations
 
@@ -21,3 +21,13 @@ def flat_view(tensor: torch.Tensor):
 def contiguous_flat(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as a contiguous 1-D tensor (a view when possible) for sending."""
     return tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
+def progress_bar(done: int, total: int, width: int = 24) -> str:
+    """A text progress bar, e.g. ``[######------]  3/6``: deterministic, so notebook outputs compare.
+
+    It lives here, beside nothing heavy, because `course_lib.progress` draws it from a background
+    thread: that thread must not be the first to import anything (see `course_lib.live._bar`).
+    """
+    filled = round(width * done / total) if total else width
+    return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{len(str(total))}}/{total}"

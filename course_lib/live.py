@@ -29,6 +29,7 @@ import time
 from typing import Callable, Iterable
 
 from course_lib import _rankstate
+from course_lib._util import progress_bar
 
 __all__ = ["progress", "running", "LaunchStatus", "DELAY"]
 
@@ -123,11 +124,10 @@ class LiveLine:
 
 
 def _bar(done: int, total: int | None) -> str:
-    if total is None:
-        return f"{done} done"
-    from course_lib.training.toy import progress_bar
-
-    return progress_bar(done, total)
+    # The live line's thread calls this. It must import nothing: a launch that forks while another
+    # thread is inside an import leaves that import's lock held in the ranks, and a rank that then
+    # imports the same module waits forever. So the bar comes from course_lib._util, imported already.
+    return f"{done} done" if total is None else progress_bar(done, total)
 
 
 def progress(iterable: Iterable, desc: str = "", total: int | None = None, delay: float = DELAY):
@@ -164,10 +164,6 @@ def progress(iterable: Iterable, desc: str = "", total: int | None = None, delay
             _rankstate.set_progress("")
         return
     state = {"done": 0, "item": None, "started": time.monotonic()}
-    # Draw the bar once here, so its first use (which imports course_lib.training) happens in this thread and
-    # not in the live line's: a launch that forks while another thread is importing leaves that import's
-    # locks held in the ranks, and a rank that then imports the same module waits forever.
-    _bar(0, total)
 
     def render():
         elapsed = time.monotonic() - state["started"]

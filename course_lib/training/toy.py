@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from course_lib._util import progress_bar  # re-exported: the training loops print it
+
 __all__ = ["make_spirals", "make_regression", "make_mlp", "progress_bar"]
 
 
@@ -58,9 +60,3 @@ def make_mlp(in_features: int = 2, hidden: int = 32, out_features: int = 3, dept
             width = hidden
         layers.append(nn.Linear(width, out_features))
         return nn.Sequential(*layers)
-
-
-def progress_bar(done: int, total: int, width: int = 24) -> str:
-    """A text progress bar, e.g. ``[######------]  3/6``: deterministic, so notebook outputs compare."""
-    filled = round(width * done / total) if total else width
-    return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{len(str(total))}}/{total}"
