@@ -8,7 +8,9 @@ call, a traffic label, a gloo work object: tens of microseconds) many times; lar
 but leave the link idle while a big segment is added. `course_lib.fast_allreduce.ring_pipelined`
 with each segment size, the plain ring (= one segment per chunk, no early receives) and gloo's
 built-in are timed in one launch, every repetition running each once, in an order shuffled anew each time
-(`course_lib.bench.measure_in_rank`), and compared by paired ratios against the built-in.
+(`course_lib.bench.measure_in_rank`), and compared by paired ratios against the built-in. Each call's CPU
+time over all ranks and the machine's idle share are recorded too (cpu=True): more segments mean more
+messages, which cost CPU, and fewer idle cores, which saves time; the two columns show which wins.
 
 Writes benchmarks/results/ring_segment_size.{json,md} (or --out STEM). The default of
 `fast_allreduce.SEGMENT_BYTES` is the size this chose; its docstring says what the file showed.
@@ -37,7 +39,7 @@ def _measure(rank, world_size, sizes, segments, reps, warmup):
     for segment in segments:
         allreduce.VARIANTS[_name(segment)] = functools.partial(fast_allreduce.ring_pipelined, segment_bytes=segment)
     names = ["ring"] + [_name(s) for s in segments] + ["builtin"]
-    return [record for nbytes in sizes for record in bench.measure_in_rank(nbytes, names, reps, warmup)]
+    return [record for nbytes in sizes for record in bench.measure_in_rank(nbytes, names, reps, warmup, cpu=True)]
 
 
 def main(argv=None) -> int:

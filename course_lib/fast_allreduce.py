@@ -116,9 +116,13 @@ def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
 #   - In the same launches the plain ring read 0.98 / 0.92 / 0.89 at 64 MiB (median 0.92), as 4 MiB
 #     segments did: on this machine pipelining buys nothing measurable over the plain ring; what the
 #     sweep decides is only how much a too-small segment costs.
+#   - Three more launches with CPU accounting (ring_segment_size_cpu{1,2,3}.md) tried 4, 8 and 16 MiB
+#     at 64 MiB: per launch 0.952/1.028/0.967, 0.935/1.029/0.983 and 0.952/0.996/0.986 of the built-in, inside
+#     one another's spread. More segments leave fewer cores idle but cost CPU for the extra messages.
 # 4 MiB is kept: within noise of the best (8 MiB read 0.89), and it still cuts a chunk into several
-# segments once a chunk is larger than 4 MiB, so the schedule stays the pipelined one. gloo caps its segments at 1 MiB, NCCL works in
-# 128-512 KiB slices: on hardware where the link, not the CPU, is the bottleneck, smaller is better.
+# segments once a chunk is larger than 4 MiB, so the schedule stays the pipelined one. gloo caps its
+# segments at 1 MiB, and NCCL works in 128-512 KiB slices. On hardware where the link, not the CPU, is
+# the bottleneck, smaller is better.
 SEGMENT_BYTES = 4 << 20
 
 
