@@ -268,3 +268,29 @@ def test_cpu_accounting_tells_work_from_waiting(monkeypatch, tmp_path):
     assert "CPU/call" not in bench.Results([plain]).table()
     old_record = {k: v for k, v in plain.to_dict().items() if k not in ("cpu_seconds", "idle_ticks", "total_ticks")}
     assert bench.Result.from_dict(old_record) == plain
+
+
+def test_launches_pool_into_pairs_that_stay_pairs(monkeypatch):
+    # benchmarks/large_allreduce_work.py pools launches by concatenating each variant's repetitions in
+    # launch order: the k-th time of one variant must still pair with the k-th time of the built-in.
+    import importlib
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    work = importlib.import_module("large_allreduce_work")
+
+    def launch(ring_times, builtin_times, cpu):
+        common = dict(world_size=4, nbytes=64, numel=16, dtype="float32", backend="gloo")
+        return bench.Results([
+            bench.Result(variant="ring", times=ring_times, cpu_seconds=[cpu] * len(ring_times),
+                         idle_ticks=[1] * len(ring_times), total_ticks=[4] * len(ring_times), **common),
+            bench.Result(variant="builtin", times=builtin_times, cpu_seconds=[2 * cpu] * len(builtin_times),
+                         idle_ticks=[0] * len(builtin_times), total_ticks=[4] * len(builtin_times), **common)])
+
+    launches = [launch([1.0, 2.0], [2.0, 2.0], 0.1), launch([3.0, 6.0, 9.0], [1.0, 2.0, 3.0], 0.3)]
+    pooled = work.pool(launches)
+    assert pooled.ratios("ring", "builtin", 4, 64) == [0.5, 1.0, 3.0, 3.0, 3.0]
+    ring = pooled.get("ring", 4, 64)
+    assert ring.cpu_seconds == [0.1, 0.1, 0.3, 0.3, 0.3] and ring.idle_share == 0.25
+    medians = work.launch_medians(launches)
+    assert medians == [dict(variant="ring", world_size=4, nbytes=64, medians=[0.75, 3.0])]
