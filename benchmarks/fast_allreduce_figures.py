@@ -73,6 +73,24 @@ def check_targets(results: bench.Results, world_size: int) -> list[dict]:
     return rows
 
 
+def targets_markdown(targets: list[dict]) -> list[str]:
+    """`check_targets`' rows as a markdown table (lines), the repetitions behind each ratio included."""
+    lines = ["| target | variant | ratio median (IQR; min..max) | repetitions | at most | met |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for t in targets:
+        r = t["ratio"]
+        lines.append(f"| {t['target']} | {t['variant']} | {r['median']:.3f} ({r['q1']:.2f}..{r['q3']:.2f}; "
+                     f"{r['min']:.2f}..{r['max']:.2f}) | {r['n']} | {t['limit']} | {'yes' if t['met'] else 'no'} |")
+    return lines
+
+
+def target_summary(t: dict) -> str:
+    """One `check_targets` row as a line for the terminal."""
+    r = t["ratio"]
+    return (f"{t['target']}: {r['median']:.3f} (IQR {r['q1']:.2f}..{r['q3']:.2f}, {r['n']} repetitions), "
+            f"target <= {t['limit']}: {'met' if t['met'] else 'NOT met'}")
+
+
 def crossovers(fits: dict, world_size: int) -> list[dict]:
     """Where the small-message variants hand over to the large-message ones, from the fitted models."""
     pairs = [("tree", "ring"), ("halving_doubling", "ring"), ("tree", "halving_doubling"),
@@ -118,12 +136,7 @@ def reduction_share(world_size, sizes, variant="ring", reps=5) -> dict:
 
 
 def _markdown_extra(targets, fits, world_size, cross, shares) -> str:
-    lines = ["", "## Issue 10's targets (median paired ratio, same repetition)", "",
-             "| target | variant | ratio median (IQR; min..max) | at most | met |", "| --- | --- | --- | --- | --- |"]
-    for t in targets:
-        r = t["ratio"]
-        lines.append(f"| {t['target']} | {t['variant']} | {r['median']:.3f} ({r['q1']:.2f}..{r['q3']:.2f}; "
-                     f"{r['min']:.2f}..{r['max']:.2f}) | {t['limit']} | {'yes' if t['met'] else 'no'} |")
+    lines = ["", "## Issue 10's targets (median paired ratio, same repetition)", "", *targets_markdown(targets)]
     lines += ["", f"## Alpha-beta fits to the medians ({world_size} ranks; course_lib.cost)", "",
               "| variant | model | alpha | 1/beta | median abs. rel. error |", "| --- | --- | --- | --- | --- |"]
     for name, f in fits.items():
@@ -167,8 +180,7 @@ def main(argv=None) -> int:
     for n, share in shares.items():
         print(f"ring at {bench.format_bytes(n)}: {100 * share:.1f}% of the time is spent adding")
     for t in targets:
-        print(f"{t['target']}: {t['ratio']['median']:.3f} (IQR {t['ratio']['q1']:.2f}..{t['ratio']['q3']:.2f}), "
-              f"target <= {t['limit']}: {'met' if t['met'] else 'NOT met'}")
+        print(target_summary(t))
     meta = {"command": "python benchmarks/fast_allreduce_figures.py " + shlex.join(sys.argv[1:] if argv is None else argv),
             "reps": args.reps, "warmup": args.warmup, "loadavg_before": before, "loadavg_after": after,
             "note": args.note or ("fewer than 9 repetitions: exploratory" if args.reps < 9 else "")}

@@ -35,7 +35,7 @@ import shlex
 import sys
 
 from course_lib import bench
-from fast_allreduce_figures import check_targets  # the same targets, checked the same way
+from fast_allreduce_figures import check_targets, target_summary, targets_markdown  # same targets, same report
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ("ring", "ring_pipelined", "halving_doubling", "tree", "builtin")
@@ -79,13 +79,7 @@ def _markdown_extra(targets, per_launch, cpu_floor) -> str:
     for row in cpu_floor:
         lines.append(f"| {bench.format_bytes(row['nbytes'])} | {row['variant']} | {row['floor_s'] * 1e3:.2f} ms | "
                      f"{row['median_s'] * 1e3:.2f} ms | {row['median_s'] / row['floor_s']:.2f} |")
-    lines += ["", "## Issue 10's targets, pooled (median paired ratio, same repetition)", "",
-              "| target | variant | ratio median (IQR; min..max) | repetitions | at most | met |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for t in targets:
-        r = t["ratio"]
-        lines.append(f"| {t['target']} | {t['variant']} | {r['median']:.3f} ({r['q1']:.2f}..{r['q3']:.2f}; "
-                     f"{r['min']:.2f}..{r['max']:.2f}) | {r['n']} | {t['limit']} | {'yes' if t['met'] else 'no'} |")
+    lines += ["", "## Issue 10's targets, pooled (median paired ratio, same repetition)", "", *targets_markdown(targets)]
     return "\n".join(lines) + "\n"
 
 
@@ -126,8 +120,7 @@ def main(argv=None) -> int:
     cpu_floor = [dict(variant=r.variant, nbytes=r.nbytes, floor_s=r.cpu_median / cores, median_s=r.median)
                  for r in pooled]
     for t in targets:
-        print(f"{t['target']}: {t['ratio']['median']:.3f} (IQR {t['ratio']['q1']:.2f}..{t['ratio']['q3']:.2f}, "
-              f"{t['ratio']['n']} repetitions), target <= {t['limit']}: {'met' if t['met'] else 'NOT met'}")
+        print(target_summary(t))
     meta = {"command": command, "reps": args.reps, "launches": args.launches, "warmup": args.warmup,
             "note": args.note, "loadavg_before": loads[0], "loadavg_after": loads[-1], "loadavg_per_launch": loads[1:],
             "pooled": "each variant's repetitions of all launches, in launch order"}

@@ -315,8 +315,8 @@ class Results(list):
                     f"{_format_seconds(r.max):>10}  {r.algbw:>10.3g}  {r.busbw:>10.3g}  "
                     f"{'yes' if r.correct else 'NO':>3}")
             if with_cpu:
-                idle = "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}%"
-                line += f"  {_format_seconds(r.cpu_median) if r.cpu_seconds else '-':>10}  {idle:>6}"
+                cpu, idle = _cpu_cells(r)
+                line += f"  {cpu:>10}  {idle:>6}"
             if reference:
                 paired = self._paired(r, reference)
                 line += f"  {_format_ratio(paired):>24}"
@@ -363,8 +363,8 @@ class Results(list):
                            f"{_format_seconds(q1)}..{_format_seconds(q3)} | "
                            f"{_format_seconds(r.min)}..{_format_seconds(r.max)} | {r.busbw:.3g} |")
                     if with_cpu:
-                        idle = "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}%"
-                        row += f" {_format_seconds(r.cpu_median) if r.cpu_seconds else '-'} | {idle} |"
+                        cpu, idle = _cpu_cells(r)
+                        row += f" {cpu} | {idle} |"
                     if reference:
                         paired = self._paired(r, reference)
                         row += f" {_format_ratio(paired, full=True)} |"
@@ -455,6 +455,13 @@ class Results(list):
         if path is not None:
             fig.savefig(path, dpi=120)
         return fig
+
+
+def _cpu_cells(r: Result) -> tuple[str, str]:
+    """(median CPU per call, machine idle share) as table text; '-' for what was not measured."""
+    cpu = _format_seconds(r.cpu_median) if r.cpu_seconds else "-"
+    idle = "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}%"
+    return cpu, idle
 
 
 def _format_ratio(paired, full: bool = False) -> str:
