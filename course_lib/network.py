@@ -61,8 +61,9 @@ books a message when its receive completes, so a message received late can take 
 
 The model can only add time: a link faster than this machine's own loopback and per-message cost
 (tens of microseconds to a millisecond here) cannot be modeled. A receive that completes later than
-its modeled time is counted as late; after a launch in which more than a tenth of the messages were
-late, `launch` says so in one line, and `last_launch()` gives the counts. All ranks must be on one
+its modeled arrival by more than half the message's modeled time (and 0.2 ms) is counted as late;
+after a launch in which more than a tenth of the messages were late, `launch` says so in one line,
+and `last_launch()` gives the counts. All ranks must be on one
 machine: they share its clock and a small table of message start times (a memory-mapped file).
 """
 
@@ -506,10 +507,11 @@ class _Model:
             received, late, late_seconds, modeled = (table.counter(self.rank, i) for i in range(_COUNTERS))
             cells[received] += 1
             cells[modeled] += duration + network.latency
-            # Late: the real message completed well after both the modeled arrival and the call, so the
-            # time it took is this machine's, not the link's.
+            # Late: the real message completed well after both the modeled arrival and the call (by more
+            # than half the message's modeled time, and more than a scheduler's hiccup), so the time it took
+            # is this machine's, not the link's.
             excess = now - max(arrival, called)
-            if excess > 1e-4 + 0.1 * (duration + network.latency):
+            if excess > LATE_SLACK + 0.5 * (duration + network.latency):
                 cells[late] += 1
                 cells[late_seconds] += excess
         return arrival
@@ -525,6 +527,9 @@ class _Model:
                 self.next_slot[(src, self.rank)] = (slot + 1) % table.slots
                 return base
         return None
+
+
+LATE_SLACK = 2e-4  # seconds: a receive this much (plus half its modeled time) after its modeled arrival is late
 
 
 def _sleep_until(deadline: float) -> None:
