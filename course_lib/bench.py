@@ -82,7 +82,7 @@ __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUS
 VARIANTS = ("naive", "parameter_server", "ring", "builtin")
 # Every variant, the faster ones of course_lib.fast_allreduce included ('master' is an alias, left out).
 ALL_VARIANTS = ("naive", "parameter_server", "ring", "ring_pipelined", "ring_bidirectional", "halving_doubling",
-                "tree", "builtin")
+                "recursive_doubling", "tree", "builtin")
 
 # nccl-tests' correction factors from algbw to busbw, G = number of ranks (doc/PERFORMANCE.md).
 BUSBW_FACTORS = {

@@ -43,10 +43,13 @@ messages are modeled. What the model predicts for the course's all-reduces (`Net
     parameter_server    2a + 2(G-1) N/B                          2a + 2N/B
     tree                2 L (a + N/B) when G = 2^L               the same
                         (less otherwise: followed through the schedule by `predict`)
-    halving_doubling    2 log2(P) a + 2(P-1)/P N/B  (+ 2(a + N/B) when G != P)
+    halving_doubling    2 log2(P) a + 2(P-1)/P N/B  (+ up to 2(a + N/B) when G != P: see below)
+    recursive_doubling  log2(P) (a + N/B)           (+ up to 2(a + N/B) when G != P)
 
 N = bytes per rank, c = the largest chunk's bytes (N/G), L = ceil(log2 G), P the largest power of two
-<= G, R = 2(G-1) rounds of k segments of u = c/(k B) seconds each. The latency a is paid once per
+<= G, R = 2(G-1) rounds of k segments of u = c/(k B) seconds each. When G is not a power of two, the
+tree, halving-doubling and recursive doubling have ranks that start early (no children, no fold
+partner), and `predict` follows their schedules rather than adding whole steps. The latency a is paid once per
 message *in flight*, not once per message sent: messages that leave one after another overlap their
 latencies (the naive exchange pays one a, not G-1), unlike the course's step-count model in
 `course_lib.cost`, where alpha stands for the software cost of a step, which cannot overlap.
@@ -245,7 +248,7 @@ class Network:
 
         Args:
             algorithm: 'ring', 'ring_pipelined', 'ring_bidirectional', 'naive', 'parameter_server'
-                (or 'master'), 'tree' or 'halving_doubling'.
+                (or 'master'), 'tree', 'halving_doubling' or 'recursive_doubling'.
             nbytes: bytes of the tensor on each rank.
             world_size: G.
             element_size: bytes per element (chunks are cut in whole elements).
@@ -277,12 +280,47 @@ class Network:
             return 2 * a + 2 * (1 if full else g - 1) * nbytes / b
         if algorithm == "tree":
             return _tree_time(g, a, nbytes / b, self.topology == "switch")
+        if algorithm == "recursive_doubling":
+            steps = (1 << (g.bit_length() - 1)).bit_length() - 1
+            return _pairwise_time(g, a, nbytes / b, [nbytes / b] * steps)
         if algorithm == "halving_doubling":
             p = 1 << (g.bit_length() - 1)
-            time_ = 2 * math.log2(p) * a + 2 * (p - 1) / p * nbytes / b
-            return time_ + (2 * (a + nbytes / b) if p != g else 0.0)
+            halves = [nbytes / b / 2 ** (j + 1) for j in range(p.bit_length() - 1)]
+            return _pairwise_time(g, a, nbytes / b, halves + halves[::-1])
         raise ValueError(f"no prediction for {algorithm!r}: known 'ring', 'ring_pipelined', 'ring_bidirectional', "
-                         "'naive', 'parameter_server', 'tree', 'halving_doubling'")
+                         "'naive', 'parameter_server', 'tree', 'halving_doubling', 'recursive_doubling'")
+
+
+def _pairwise_time(world_size: int, latency: float, fold_wire: float, step_wires: list) -> float:
+    """halving_doubling's and recursive_doubling's time under the model, followed through the schedule.
+
+    The P = 2^k ranks that take part swap messages with a partner at every step (`step_wires`: the
+    seconds each step's message occupies a link); a step ends when the partner's message has arrived
+    and one's own has left. When G is not a power of two, the first 2E ranks fold in pairs first and
+    unfold at the end (`fold_wire` each way). A folded-into rank starts the steps late, but a partner
+    that did not fold starts at once, so the fold's delay reaches only some ranks: when G = P + E with
+    E small, the whole takes fewer hops than fold + steps + unfold (G = 3: 2 latencies, not 3).
+    Partners differ at every step, so no incoming side ever queues two messages.
+    """
+    p = 1 << (world_size.bit_length() - 1)
+    extra = world_size - p
+    hop = lambda wire: wire + latency  # noqa: E731  one message on an idle link
+    # when each of the P virtual ranks can start: after its fold partner's tensor arrived, or at once
+    ready = [hop(fold_wire) if v < extra else 0.0 for v in range(p)]
+    for step, wire in enumerate(step_wires):
+        distance = _partner_distance(p, step, len(step_wires))
+        ready = [max(ready[v] + wire, ready[v ^ distance] + hop(wire)) for v in range(p)]
+    unfolded = [ready[v] + hop(fold_wire) for v in range(extra)]
+    return max(ready + unfolded)
+
+
+def _partner_distance(p: int, step: int, steps: int) -> int:
+    """The partner distance at `step`: halving_doubling goes P/2, ..., 1 then 1, ..., P/2 (2 log2 P
+    steps); recursive_doubling goes 1, 2, ..., P/2 (log2 P steps)."""
+    k = p.bit_length() - 1
+    if steps == k:                      # recursive doubling
+        return 1 << step
+    return p >> (step + 1) if step < k else 1 << (step - k)
 
 
 def _tree_time(world_size: int, latency: float, wire: float, switch: bool) -> float:
