@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import course_lib
 from conftest import run, step_difference
 from course_lib import training
 from course_lib.training import sharding, zero, zero_sharded
@@ -164,5 +162,3 @@ def _sync_batch_norm_on_cpu(rank, world_size):
 
 def test_sync_batch_norm_needs_a_gpu_as_the_note_says():
     assert all("expected input tensor to be on GPU" in message for message in run(_sync_batch_norm_on_cpu, 2))
-    assert course_lib.resolve_backend("auto", 2) == "gloo" or torch.cuda.device_count() >= 2
-    assert dist.is_available()

@@ -8,6 +8,9 @@
     zero_sharded      ShardedDataParallel: plain DP and ZeRO-1, -2, -3 (FSDP-style) layer by layer
     memory            MemoryCensus: parameter, gradient and optimizer bytes per rank, measured; the
                       Playbook's formulas (model_state_bytes) and the schedule's exact count
+    compression       DDP communication hooks that send fewer bytes: bf16/fp16 summed in fp32,
+                      PowerSGD and top-k with error feedback (also for train_data_parallel(comm_hook=))
+    schedules         name_calls: each collective of a step named in its trace, to draw the step
     ddp               train_ddp: PyTorch's DistributedDataParallel in its five steps;
                       allreduce_hook: course_lib's ring as DDP's communication hook
     parameter_server  train_parameter_server: sync or async, with measured staleness;
@@ -21,11 +24,13 @@ except `train_single_process` and `simulate_stale_sgd`, which need no process gr
 
 from course_lib.training import (
     buckets,
+    compression,
     data_parallel,
     ddp,
     memory,
     model_parallel,
     parameter_server,
+    schedules,
     sharding,
     toy,
     zero,
@@ -54,7 +59,8 @@ from course_lib.training.zero_sharded import ShardedDataParallel
 from course_lib.training.memory import MemoryCensus, model_state_bytes, schedule_bytes
 
 __all__ = [
-    "sharding", "data_parallel", "buckets", "zero", "zero_sharded", "memory", "ddp", "parameter_server",
+    "sharding", "data_parallel", "buckets", "zero", "zero_sharded", "memory", "compression", "schedules", "ddp",
+    "parameter_server",
     "model_parallel", "toy",
     "TrainingLog", "flat_parameters", "broadcast_parameters", "broadcast_buffers", "batch_norm_note",
     "average_gradients", "apply_reduced_gradient", "HookBucket",

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, collectives, traffic
+from course_lib import _checks, collectives
 from course_lib import allreduce as allreduce_variants
 
 __all__ = ["LowPrecisionState", "low_precision_hook", "PowerSGDState", "powersgd_hook", "TopKState", "topk_hook",
@@ -182,14 +182,14 @@ def low_precision_hook(state: LowPrecisionState, bucket: dist.GradBucket) -> tor
     low[:numel] = buffer                                              # rounding 1: to 16 bits
     outgoing = list(low.split(piece))
     incoming = [torch.empty(piece, dtype=state.dtype, device=buffer.device) for _ in range(world_size)]
-    with _checks.unchecked(), traffic.phase("16-bit pieces to their owner"):
+    with _checks.unchecked():
         collectives.all_to_all(incoming, outgoing)
     total = incoming[0].float()
     for j in range(1, world_size):                                    # float32 sum, rank order
         total += incoming[j].float()
     mean = (total / world_size).to(state.dtype)                      # rounding 2: the mean, to 16 bits
     gathered = list(low.split(piece))
-    with _checks.unchecked(), traffic.phase("16-bit means to everyone"):
+    with _checks.unchecked():
         collectives.all_gather(gathered, mean)
     buffer.copy_(low[:numel])
     state.calls += 1
@@ -285,8 +285,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if state.iter < state.start_powerSGD_iter:
         state._next_iter(bucket)
         buffer.div_(world_size)
-        with traffic.phase("all-reduce (before PowerSGD starts)"):
-            _ring_allreduce(buffer)
+        _ring_allreduce(buffer)
         return _done(buffer)
     index = bucket.index()
     device, dtype = buffer.device, buffer.dtype
@@ -338,21 +337,18 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             orthogonalize(q, state.orthogonalization_epsilon)
     for matrix, q, p in zip(matrices, qs, ps):                                        # 4.
         torch.bmm(matrix, q, out=p)
-    with traffic.phase("all-reduce uncompressed"):
-        _ring_allreduce(uncompressed)
+    _ring_allreduce(uncompressed)
     uncompressed.div_(world_size)
     at = 0
     for tensor in plain:
         tensor.copy_(uncompressed[at:at + tensor.numel()].view_as(tensor))
         at += tensor.numel()
-    with traffic.phase("all-reduce P"):
-        _ring_allreduce(state.p_memory_dict[index])
+    _ring_allreduce(state.p_memory_dict[index])
     for p in ps:
         orthogonalize(p, state.orthogonalization_epsilon)
     for matrix, p, q in zip(matrices, ps, qs):                                        # 5.
         torch.bmm(matrix.transpose(1, 2), p, out=q)
-    with traffic.phase("all-reduce Q"):
-        _ring_allreduce(state.q_memory_dict[index])
+    _ring_allreduce(state.q_memory_dict[index])
     state.q_memory_dict[index].div_(world_size)
     for p, q, matrix in zip(ps, qs, matrices):                                        # 6.
         torch.bmm(p, q.transpose(1, 2), out=matrix)
@@ -412,7 +408,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         state.error_dict[index] = error
     payload = torch.cat([values, chosen.to(torch.int32).view(torch.float32)])
     gathered = [torch.empty_like(payload) for _ in range(world_size)]
-    with _checks.unchecked(), traffic.phase("top-k pairs to everyone"):
+    with _checks.unchecked():
         collectives.all_gather(gathered, payload)
     buffer.zero_()
     for piece in gathered:                                   # rank order: the same bits on every rank

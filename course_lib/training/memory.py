@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["KINDS", "MemoryCensus", "CensusSample", "storage_bytes", "model_state_bytes", "schedule_bytes",
-           "PRECISIONS"]
+__all__ = ["KINDS", "MemoryCensus", "CensusSample", "storage_bytes", "optimizer_tensors", "model_state_bytes",
+           "schedule_bytes", "PRECISIONS"]
 
 KINDS = ("params", "grads", "optimizer")
 

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import _checks, collectives, traffic
+from course_lib import _checks, collectives
 from course_lib import allreduce as allreduce_variants
 from course_lib.training.memory import MemoryCensus, optimizer_tensors
 
@@ -371,7 +371,7 @@ class ShardedDataParallel:
         self._count(f"layer {unit.index} gradient ready")
         grad.mul_(self._local_count)                            # sum_r count_r grad_r / total: the global mean
         start, stop = unit.mine
-        with _checks.unchecked(), traffic.phase(f"layer {unit.index}"):
+        with _checks.unchecked():
             if self.stage == 0:
                 self._allreduce(grad, "sum")
                 grad.div_(self.total)
@@ -471,7 +471,7 @@ class ShardedDataParallel:
                 self._free_params(self.units[index])
         self._calls.append(("stats", -1))
         stats = torch.tensor([loss_sum, count], dtype=self.units[0].flat.dtype, device=self.units[0].flat.device)
-        with _checks.unchecked(), traffic.phase("loss and count"):
+        with _checks.unchecked():
             self._allreduce(stats, "sum")
         total_loss, total = stats.tolist()
         self.total = int(round(total))
@@ -531,8 +531,9 @@ class ShardedDataParallel:
         self.optimizer.step()
         self._count("after optimizer step")
         if self.stage in (1, 2):
-            with _checks.unchecked(), traffic.phase("all-gather parameters"):
+            with _checks.unchecked():
                 for unit in self.units:
+                    self._calls.append(("gather after step", unit.index))
                     pieces = list(unit.flat.split(unit.piece))
                     collectives.all_gather(pieces, pieces[self.rank])
         self._event("step", None, t0)
@@ -577,10 +578,32 @@ class ShardedDataParallel:
             end = time.perf_counter()
             self.events[-1].append(StepEvent(kind, -1 if unit is None else unit.index, t0 - self._t0, end - self._t0))
 
+    def step_calls(self) -> list:
+        """(name, messages) of every collective of the last step, in the order this rank made them, with the
+        messages it sent in each: what `schedules.name_calls` needs to draw the step from its recording."""
+        from course_lib.training.schedules import collective_messages, ring_messages
+
+        if self.stage == 0 and self._allreduce_name != "ring":
+            raise ValueError(f"step_calls knows the ring's messages; stage 0 here all-reduces with "
+                             f"{self._allreduce_name!r}: use allreduce='ring' to draw its schedule.")
+        g, out, backward = self.world_size, [], False
+        for kind, index in self._calls:
+            if kind == "stats":
+                out.append(("loss and count", ring_messages(g)))
+                backward = True
+            elif kind == "gather":
+                out.append((f"gather L{index}" + (" again" if backward else ""), collective_messages(g)))
+            elif kind == "reduce":
+                out.append((f"all-reduce L{index}", ring_messages(g)) if self.stage == 0 else
+                           (f"reduce-scatter L{index}", collective_messages(g)))
+            else:
+                out.append((f"gather L{index} after step", collective_messages(g)))
+        return out
+
     def full_parameters(self) -> torch.Tensor:
         """All parameters in one flat CPU tensor, model order (stage 3 all-gathers them: a collective,
         call it on every rank). Equal to `data_parallel.flat_parameters(model)` of an unsharded model."""
-        out = []
+        out, calls = [], list(self._calls)            # the step's calls stay as they were (step_calls)
         for unit in self.units:
             if self.stage == 3:
                 self._gather(unit)
@@ -590,6 +613,7 @@ class ShardedDataParallel:
         order = {id(p): i for i, p in enumerate(self.model.parameters())}
         flat_params = [p for u in self.units for p in u.params]
         ranked = sorted(zip(flat_params, out), key=lambda pair: order[id(pair[0])])
+        self._calls = calls
         return torch.cat([t for _, t in ranked]) if ranked else torch.zeros(0)
 
     def close(self) -> None:
