@@ -219,6 +219,24 @@ def test_powersgd_equals_pytorchs_powersgd_hook(world_size):
             assert torch.equal(run_of_rank[case]["ours"][0][-1], ours[0][-1])
 
 
+def _powersgd_naive_and_ring(rank, world_size):
+    out = {}
+    for variant in ("ring", "naive"):
+        model = _model(seed=0)
+        state = compression.PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=2, allreduce=variant)
+        log = training.train_data_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), DATA,
+                                           F.cross_entropy, batch_size=BATCH, max_steps=6,
+                                           comm_hook=compression.powersgd_hook, comm_hook_state=state,
+                                           record_parameters=True)
+        out[variant] = log.parameters
+    return out
+
+
+def test_powersgd_with_the_naive_all_reduce_inside_gives_the_same_steps():
+    out = run(_powersgd_naive_and_ring, 3)[0]
+    assert step_difference(out["naive"], out["ring"], tol=1e-5) is None
+
+
 def _hand_made_and_ddp(rank, world_size):
     options = CASES["rank 2"]
     return {"hand-made ours": _ddp_with("ours", options, rank, world_size, hand_made=True),
@@ -274,6 +292,8 @@ def test_bad_input_fails_clearly():
         compression.PowerSGDState(start_powerSGD_iter=1)
     with pytest.raises(ValueError, match="matrix_approximation_rank must be a positive int"):
         compression.PowerSGDState(matrix_approximation_rank=0)
+    with pytest.raises(ValueError, match="allreduce must name a course_lib.allreduce variant"):
+        compression.PowerSGDState(allreduce="fastest", start_powerSGD_iter=2)
     with pytest.raises(ValueError, match=r"density must be a number in \(0, 1\]"):
         compression.TopKState(density=0)
     with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float16"):

@@ -16,7 +16,7 @@ N = elements in the bucket, G = ranks, P = ceil(N / G); bytes each rank sends pe
         every rank all-gathers the means:  2 (G-1) P x 2 bytes, half the ring's. Two roundings to 16
         bits per element, never a 16-bit sum (the ring would round every partial sum; fp16 could overflow).
 
-    powersgd_hook (Vogels et al., 2019; PyTorch's powerSGD_hook, step for step)  (`powersgd_sizes`)
+    powersgd_hook (Vogels et al., 2019; PyTorch's powerSGD_hook, step for step)  (`powersgd_sizes`, `powersgd_bytes`)
         each gradient viewed as a matrix M of n x m (first dimension x the rest) is sent as two thin
         matrices P = M Q (n x r) and Q = M^T P (m x r), r = matrix_approximation_rank: all-reduce P,
         orthogonalise it, compute Q, all-reduce Q, M ~ P Q^T / G. A matrix is compressed only when
@@ -76,9 +76,9 @@ def _world():
     return dist.get_rank(), dist.get_world_size()
 
 
-def _ring_allreduce(tensor):
+def _allreduce(tensor, variant="ring"):
     with _checks.unchecked():          # the ranks' buckets agree: DDP (or the trainer) built them the same way
-        allreduce_variants.ring(tensor, "sum")
+        allreduce_variants.get(variant)(tensor, "sum")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,6 +235,8 @@ class PowerSGDState:
         warm_start: start each step's power iteration from last step's Q instead of a random one.
         orthogonalization_epsilon: added to column norms (0: none).
         random_seed: seeds Q's random start, the same on every rank (numpy's RandomState, as PyTorch's).
+        allreduce: the `course_lib.allreduce` variant for its three all-reduces ('ring': the bytes of
+            `powersgd_bytes`; 'naive' makes one round of messages where the ring makes 2(G-1)).
         iter: steps seen (counted on the last bucket of each step).
         sent: per step that compressed, the elements it all-reduced: {'uncompressed', 'p', 'q'}.
     """
@@ -246,6 +248,7 @@ class PowerSGDState:
     warm_start: bool = True
     orthogonalization_epsilon: float = 0
     random_seed: int = 0
+    allreduce: str = "ring"
     iter: int = 0
     sent: list = field(default_factory=list)
     error_dict: dict = field(default_factory=dict, repr=False)
@@ -260,6 +263,9 @@ class PowerSGDState:
         if (self.use_error_feedback or self.warm_start) and self.start_powerSGD_iter <= 1:
             raise ValueError("start_powerSGD_iter must be > 1 with error feedback or warm start (as in PyTorch: DDP "
                              f"rebuilds its buckets after the first step), got {self.start_powerSGD_iter}")
+        if self.allreduce not in allreduce_variants.VARIANTS:
+            raise ValueError(f"allreduce must name a course_lib.allreduce variant ({sorted(allreduce_variants.VARIANTS)}), "
+                             f"got {self.allreduce!r}")
         self.rng = np.random.RandomState(self.random_seed)
 
     def _next_iter(self, bucket) -> None:
@@ -285,7 +291,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if state.iter < state.start_powerSGD_iter:
         state._next_iter(bucket)
         buffer.div_(world_size)
-        _ring_allreduce(buffer)
+        _allreduce(buffer, state.allreduce)
         return _done(buffer)
     index = bucket.index()
     device, dtype = buffer.device, buffer.dtype
@@ -337,18 +343,18 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             orthogonalize(q, state.orthogonalization_epsilon)
     for matrix, q, p in zip(matrices, qs, ps):                                        # 4.
         torch.bmm(matrix, q, out=p)
-    _ring_allreduce(uncompressed)
+    _allreduce(uncompressed, state.allreduce)
     uncompressed.div_(world_size)
     at = 0
     for tensor in plain:
         tensor.copy_(uncompressed[at:at + tensor.numel()].view_as(tensor))
         at += tensor.numel()
-    _ring_allreduce(state.p_memory_dict[index])
+    _allreduce(state.p_memory_dict[index], state.allreduce)
     for p in ps:
         orthogonalize(p, state.orthogonalization_epsilon)
     for matrix, p, q in zip(matrices, ps, qs):                                        # 5.
         torch.bmm(matrix.transpose(1, 2), p, out=q)
-    _ring_allreduce(state.q_memory_dict[index])
+    _allreduce(state.q_memory_dict[index], state.allreduce)
     state.q_memory_dict[index].div_(world_size)
     for p, q, matrix in zip(ps, qs, matrices):                                        # 6.
         torch.bmm(p, q.transpose(1, 2), out=matrix)
