@@ -145,6 +145,8 @@ class ShardedDataParallel:
         allreduce: stage 0's gradient all-reduce, a `course_lib.allreduce` name ('ring', 'naive', ...).
         census: a `memory.MemoryCensus` to count the rank's parameter, gradient and optimizer bytes at
             every point of a step where they change.
+        record_events: keep, per step, when each layer computed, waited for its parameters and reduced
+            its gradient (`events`, for a timeline).
         **defaults: the optimizer's arguments (lr, betas, weight_decay ...).
 
     Attributes:
@@ -205,7 +207,7 @@ class ShardedDataParallel:
             self.optimizer = optimizer_class([u.shard for u in self.units], **defaults)
         self._handles = []
         for unit in self.units:
-            for i, p in enumerate(unit.params):
+            for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda param, unit=unit: self._on_grad(unit)))
             if stage == 3:
