@@ -1,10 +1,10 @@
 """ZeRO stages 0-3 layer by layer (training.zero_sharded) against plain data parallelism, and their memory.
 
-* Step for step, G = 1..6: a model of layers of 93, 992 and 96 parameters (make_mlp(hidden=31): no
-  G > 1 from 2 to 6 divides 992, few divide the others), Adam and SGD with momentum, rank-dependent
-  initial replicas (the broadcast repairs them), uneven shards (pad=False, 61 samples in batches of 5,
-  so that at G = 2, 3, 4, 6 some ranks have no sample in the last step of an epoch and still join every
-  all-gather and reduce-scatter), two epochs. Stages 1, 2, 3 and 3 with prefetch hold exactly the
+* Step for step, G = 1..6: a model of layers of 93, 992 and 96 parameters (make_mlp(hidden=31): at
+  every G from 2 to 6 some layer does not divide by G, so its pieces are padded), Adam and SGD with
+  momentum, rank-dependent initial replicas (the broadcast repairs them), uneven shards (pad=False, 61
+  samples in batches of 5, so that at G = 2, 3, 4, 6 some ranks have no sample in the last step and
+  still join every all-gather and reduce-scatter), one epoch. Stages 1, 2, 3 and 3 with prefetch hold exactly the
   parameters of `train_data_parallel(allreduce="naive")` after every step: the reduce-scatter sums
   each element in rank order 0..G-1, as the naive all-reduce does, and Adam updates element by
   element (tolerance 0, stated). Stage 0 equals it exactly with the naive all-reduce and within 1e-5
@@ -31,7 +31,7 @@ from course_lib import training
 from course_lib.training import memory, sharding, toy, zero_sharded
 
 DATA = toy.make_spirals(61, seed=5)
-BATCH, EPOCHS = 5, 2
+BATCH, EPOCHS = 5, 1
 OPTIMIZERS = {"adam": (torch.optim.Adam, {"lr": 0.02, "weight_decay": 1e-3}),
               "sgd": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9})}
 CONFIGS = {"stage 0 naive": dict(stage=0, allreduce="naive"), "stage 0 ring": dict(stage=0),
@@ -79,6 +79,7 @@ def test_every_stage_equals_plain_data_parallelism_step_for_step(world_size):
     ranks = run(_every_stage, world_size, timeout=240)
     units = [93, 992, 96]
     assert [p.numel() for p in _model(0).parameters()] == [62, 31, 961, 31, 93, 3]
+    assert world_size == 1 or any(n % world_size for n in units)
     counts = [len(b) for r in range(world_size)
               for b in sharding.split_batches(sharding.shard_indices(61, r, world_size, pad=False), BATCH)]
     steps = EPOCHS * sharding.steps_per_epoch(61, world_size, BATCH, pad=False)
@@ -93,7 +94,7 @@ def test_every_stage_equals_plain_data_parallelism_step_for_step(world_size):
         assert step_difference(log.parameters, plain.parameters, tol=tolerance) is None, (name, config)
         if tolerance is None:
             assert log.losses == plain.losses, (name, config)
-        assert (plain.parameters[-1] - plain.parameters[0]).abs().max() > 0.05     # a wrong step would show
+        assert (plain.parameters[-1] - plain.parameters[0]).abs().max() > 0.02     # a wrong step would show
         for r, other in enumerate(ranks[1:], start=1):
             assert step_difference(other[name, config].parameters, log.parameters) is None, (name, config, r)
         if config != "plain":
