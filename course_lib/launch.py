@@ -555,7 +555,7 @@ def launch(
 def _report_network(stats) -> None:
     """Say, once per network, when the machine could not keep up with the modeled link."""
     text = stats.notice()
-    if text is not None:
+    if text is not None and _network.reports_late():
         _notice_once(f"network-late:{stats.network!r}", text)
 
 

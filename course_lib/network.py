@@ -66,7 +66,8 @@ The model can only add time: a link faster than this machine's own loopback and 
 (tens of microseconds to a millisecond here) cannot be modeled. A receive that completes later than
 its modeled arrival by more than half the message's modeled time (and 0.2 ms) is counted as late;
 after a launch in which more than a tenth of the messages were late, `launch` says so in one line,
-and `last_launch()` gives the counts. All ranks must be on one
+and `last_launch()` gives the counts (`report_late(False)` keeps the line back, for code that checks
+the counts itself). All ranks must be on one
 machine: they share its clock and a small table of message start times (a memory-mapped file).
 """
 
@@ -87,7 +88,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-__all__ = ["Network", "PRESETS", "parse_bandwidth", "parse_latency", "current", "last_launch", "LaunchStats"]
+__all__ = ["Network", "PRESETS", "parse_bandwidth", "parse_latency", "current", "last_launch", "LaunchStats",
+           "report_late"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -778,6 +780,29 @@ def record_launch(network: Network, table_path: str, world_size: int) -> LaunchS
     _last = LaunchStats(network, int(sum(r[0] for r in rows)), int(sum(r[1] for r in rows)),
                         sum(r[2] for r in rows), sum(r[3] for r in rows))
     return _last
+
+
+_report_late = True
+
+
+def report_late(enabled: bool = True) -> None:
+    """Whether `launch` prints its one line after a launch whose messages this machine could not keep up with.
+
+    On by default. Code that times several repetitions and holds the fastest to the model itself (as the
+    notebooks do) can switch it off: on a shared machine one slow repetition is expected, and a line that
+    appears in some runs and not others would make a notebook's stored output differ from a fresh run's.
+    `last_launch()` still gives the counts.
+
+    Example:
+        >>> course_lib.network.report_late(False)
+    """
+    global _report_late
+    _report_late = bool(enabled)
+
+
+def reports_late() -> bool:
+    """True unless `report_late(False)` was called in this process."""
+    return _report_late
 
 
 def last_launch() -> LaunchStats | None:

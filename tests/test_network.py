@@ -382,3 +382,22 @@ def test_a_full_mesh_halves_the_bidirectional_ring_and_frees_the_naive_exchange(
     assert switch.predict("ring_bidirectional", n, 4) == pytest.approx(switch.predict("ring", n, 4))
     assert 0.45 < full.predict("ring_bidirectional", n, 4) / full.predict("ring", n, 4) < 0.55
     assert full.predict("naive", STEP_BYTES, 4) == pytest.approx(full.message_time(STEP_BYTES))
+
+
+def test_the_late_line_is_printed_once_and_report_late_false_keeps_it_back(capsys):
+    import importlib
+    launch_module = importlib.import_module("course_lib.launch")
+    net = Network("123 kB/s", "7 ms")
+    late = network.LaunchStats(net, messages=10, late=5, late_seconds=0.05, modeled_seconds=0.1)
+    on_time = network.LaunchStats(net, messages=10, late=1, late_seconds=0.01, modeled_seconds=0.1)
+    assert on_time.notice() is None and "5 of 10 messages" in late.notice()
+    try:
+        network.report_late(False)
+        launch_module._report_network(late)
+        assert capsys.readouterr().err == ""
+        network.report_late(True)
+        launch_module._report_network(late)
+        launch_module._report_network(late)
+        assert capsys.readouterr().err.count("5 of 10 messages took longer") == 1
+    finally:
+        network.report_late(True)
