@@ -183,3 +183,30 @@ def assert_same_on_every_rank(digests_per_rank, label=""):
 @pytest.fixture(params=WORLD_SIZES, ids=lambda g: f"G{g}")
 def world_size(request):
     return request.param
+
+
+def execute_notebook(client):
+    """`client.execute()` (an nbclient.NotebookClient) in a thread of its own, re-raising what it raised.
+
+    pytest-playwright's session fixture keeps an asyncio loop marked as running in the main thread of the
+    worker that ran a browser test (its sync API drives the loop from a greenlet). nbclient then takes
+    jupyter_core's path for code inside a running loop, which hung a CI run for good (a Colab test after
+    a browser test on the same worker). A fresh thread has no running loop, so nbclient behaves as it does
+    in a plain script.
+    """
+    import threading
+
+    failure = []
+
+    def run():
+        try:
+            client.execute()
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="nbclient", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return client.nb

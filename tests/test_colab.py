@@ -47,6 +47,7 @@ import sys
 import sysconfig
 
 import pytest
+from conftest import execute_notebook
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -168,7 +169,7 @@ def test_a_notebook_runs_as_on_colab(name, tmp_path, colab_image, source_url):
     notebook.cells.append(nbformat.v4.new_code_cell(_PROBE))
     client = nbclient.NotebookClient(notebook, km=manager, timeout=600, record_timing=False,
                                      resources={"metadata": {"path": str(content)}})
-    client.execute()  # raises CellExecutionError, with the cell and its traceback, if any cell fails
+    execute_notebook(client)  # raises CellExecutionError, with the cell and its traceback, if any cell fails
 
     probe = json.loads(notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1])
     # course_lib came from the pip install of the first cell, not from this clone

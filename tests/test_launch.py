@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import course_lib
+from conftest import execute_notebook
 from course_lib import p2p
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -423,8 +424,8 @@ def test_functions_defined_in_a_notebook_can_be_launched(tmp_path):
         "print(course_lib.launch(lambda r, w: r * scale, world_size=2))",
     ]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    execute_notebook(nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                                             resources={"metadata": {"path": str(ROOT)}}))
     last = notebook.cells[-1].outputs
     text = "".join(o.get("text", "") for o in last if o.get("output_type") == "stream")
     assert text == "[rank 0] rank 0 done\n[rank 1] rank 1 done\n[rank 2] rank 2 done\n[0.0, 3.0]\n"
@@ -547,7 +548,7 @@ def test_in_a_notebook_the_hint_shows_where_the_result_is_used_and_not_after_a_l
         "print(results)",
     ]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3").execute()
+    execute_notebook(nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3"))
 
     def shown(cell):
         return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)

@@ -16,6 +16,7 @@ import pathlib
 import re
 
 import pytest
+from conftest import execute_notebook
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -60,7 +61,7 @@ def _run_with_world_size(path, world_size):
             cell.source = "# exercise check: independent of WORLD_SIZE, run by nbval (see the module docstring)"
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()  # raises CellExecutionError, with the failing cell and traceback, on any error
+    execute_notebook(client)  # raises CellExecutionError, with the failing cell and traceback, on any error
 
 
 # One class per world size: pytest-xdist's --dist loadscope hands each class to one worker, so the
