@@ -164,22 +164,32 @@ def _one_message_then_incast(rank, world_size, nbytes):
 def test_a_message_takes_latency_plus_bytes_over_bandwidth_and_incast_queues_on_a_switch(topology):
     net = Network("20 MB/s", "10 ms", topology)
     nbytes = 200_000  # 10 ms on the wire
-    moments = course_lib.launch(_one_message_then_incast, 4, args=(nbytes,), network=net)
     wire, one = nbytes / net.bandwidth, net.message_time(nbytes)
-    slack = 0.3 * one  # this machine's own cost: waking up, scheduling four processes on two cores
-    took = moments[0]["recv_end"] - moments[1]["send_start"]
-    assert one <= took < one + slack, took
-    send = moments[1]["send_end"] - moments[1]["send_start"]
-    assert wire <= send < wire + slack, send  # a send ends when its bytes have left, before they arrive
     # three senders into one incoming side: a switch serves them one after another, a full mesh at once
-    first_start = min(m["incast_start"] for m in moments[1:])
-    expected = (3 if topology == "switch" else 1) * wire + net.latency
-    took = moments[0]["incast_end"] - first_start
-    assert expected <= took < expected + slack, took
-    for m in moments[1:]:  # the senders' own sides are free: none waits for the busy receiver
-        assert wire <= m["incast_send_end"] - m["incast_start"] < wire + slack, m
-    stats = network.last_launch()
-    assert stats.messages == 4 and stats.late == 0, stats
+    incast = (3 if topology == "switch" else 1) * wire + net.latency
+    slack = 0.3 * one  # this machine's own cost: waking up, scheduling four processes on two cores
+    # Every run must respect the model's floors; the fastest of three must also come close to them
+    # (a loaded machine can only add time, so one slow run is not a fault of the model).
+    runs, late = [], []
+    for _ in range(3):
+        moments = course_lib.launch(_one_message_then_incast, 4, args=(nbytes,), network=net)
+        took = moments[0]["recv_end"] - moments[1]["send_start"]
+        send = moments[1]["send_end"] - moments[1]["send_start"]
+        incast_took = moments[0]["incast_end"] - min(m["incast_start"] for m in moments[1:])
+        # the senders' own sides are free: none waits for the busy receiver
+        sides = max(m["incast_send_end"] - m["incast_start"] for m in moments[1:])
+        assert took >= one and send >= wire and incast_took >= incast, (took, send, incast_took)
+        assert min(m["incast_send_end"] - m["incast_start"] for m in moments[1:]) >= wire
+        runs.append((took, send, incast_took, sides))
+        stats = network.last_launch()
+        assert stats.messages == 4, stats
+        late.append(stats.late)
+    took, send, incast_took, sides = (min(values) for values in zip(*runs))
+    assert took < one + slack, runs
+    assert send < wire + slack, runs  # a send ends when its bytes have left, before they arrive
+    assert incast_took < incast + slack, runs
+    assert sides < wire + slack, runs
+    assert min(late) == 0, late
 
 
 def _tensors(rank):
