@@ -36,7 +36,7 @@ import course_lib
 from course_lib import _rankstate
 
 __all__ = ["Message", "ForbiddenCall", "CappedWriter", "Tracer", "learner_frame", "describe_line", "is_learner_file", "TAG_STRIDE",
-           "FORBIDDEN_BUILTINS"]
+           "FORBIDDEN_BUILTINS", "forbidden_description"]
 
 P2P_CALLS = ("send", "recv", "isend", "irecv")
 # Built-ins that compute what the exercises ask the learner to compute (barrier and the queries
@@ -54,6 +54,21 @@ TAG_STRIDE = 1_000_000  # gloo tags are 32-bit: room for 4000 cases of a million
 HELPERS = {"chunk_sizes", "owned_chunk", "make_mlp", "make_spirals", "make_regression", "progress_bar",
            "flat_parameters", "shard_indices", "split_batches", "steps_per_epoch", "global_batches",
            "simulate_stale_sgd", "split_sequential", "train_single_process"}
+
+
+
+def forbidden_description(modules) -> str:
+    """What an exercise with these forbidden course_lib modules refuses, in one line (for `exercises.list()`).
+
+    Example::
+
+        >>> forbidden_description(("training",))
+        'torch.distributed collectives; course_lib.training (but not its helpers)'
+    """
+    modules = ", ".join(f"course_lib.{m}" for m in modules)
+    return "torch.distributed collectives" + (f"; {modules} (but not their helpers)" if "," in modules else
+                                              f"; {modules} (but not its helpers)" if modules else "")
+
 
 _COURSE_LIB_DIR = os.path.dirname(os.path.abspath(course_lib.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

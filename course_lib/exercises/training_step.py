@@ -6,12 +6,15 @@
         Afterwards every rank's ``.grad`` must hold the mean over all ranks, in place (or assigned).
 
 The check trains a small MLP for three steps on G ranks, each rank on its slice of every global
-batch, calling the learner's function between backward and ``optimizer.step()``; then it compares
-(1) each rank's gradients with the mean of all ranks' local gradients, step by step, and (2) the
-parameters after every step with one process training on the whole global batches (`train_single_process`),
-which is the claim of notebook 07. The built-in collectives and course_lib.training's own
-`average_gradients` are off limits; course_lib.allreduce, course_lib.collectives and the learner's own
-ring from notebook 05 are allowed.
+batch, calling the learner's function between backward and ``optimizer.step()``; the ranks report the
+gradients after the learner's function and the parameters after every step. The judge then recomputes
+every rank's local gradient itself (from the model's seed, the rank's batch and the parameters it
+reported) and compares (1) each rank's gradients with the mean of all ranks' local gradients, step by
+step, and (2) the parameters after every step with one process training on the whole global batches
+(`train_single_process`), which is the claim of notebook 07. The built-in collectives and
+course_lib.training's own `average_gradients` are off limits; course_lib.allreduce, course_lib.collectives
+and the learner's own ring from notebook 05 are allowed. A rank that received fewer elements than an
+all-reduce of its gradients needs cannot have averaged them through the messages the check traces.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from course_lib.exercises.cases import HIDDEN_SIZES, clone
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
+from course_lib.exercises.rubric import SINGLE_RANK, RubricLine
 
 __all__ = ["AverageGradients", "STEPS", "BATCH"]
 
@@ -45,7 +49,44 @@ def _global_batches(case):
     return [list(range(step * BATCH * G, (step + 1) * BATCH * G)) for step in range(STEPS)]
 
 
+class _LocalGradients:
+    """Every rank's gradient of its mean loss over its slice of a global batch, at given flat parameters:
+    what each rank computed before the learner's function, recomputed on the judge's side."""
+
+    def __init__(self, case):
+        self.case, self.model = case, _model(case)
+        self.inputs, self.labels = _dataset(case)
+        self.batches = _global_batches(case)
+
+    def __call__(self, parameters, rank, step) -> torch.Tensor:
+        from course_lib.training.data_parallel import flat_gradient
+
+        torch.nn.utils.vector_to_parameters(parameters.to(torch.float32), self.model.parameters())
+        self.model.zero_grad(set_to_none=True)
+        mine = self.batches[step][rank * BATCH:(rank + 1) * BATCH]
+        F.cross_entropy(self.model(self.inputs[mine]), self.labels[mine]).backward()
+        return clone(flat_gradient(self.model))
+
+
+def _one_thread():
+    """A context in which torch uses one thread: the ranks do, so the judge's recomputed gradients are theirs bit
+    for bit; and no OpenMP pool appears in this process for later forks to trip on."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+    return scope()
+
+
 class AverageGradients(FunctionExercise):
+    observed = ("averaged", "parameters")
+
     def cases(self, hidden=False):
         import course_lib.training  # noqa: F401 - imported once here, not in every forked rank
         sizes = (1, 2, 3, 4) + ((5, 8) + HIDDEN_SIZES if hidden else ())
@@ -57,48 +98,87 @@ class AverageGradients(FunctionExercise):
                 cases.append(Case(G, 0, "random", seed=1, hidden=True))
         return cases
 
-    def run_case(self, call, case, rank, world_size):
+    def inputs(self, case):
+        return [None] * case.world_size          # the model and the data are made from the case's seeds
+
+    def oracle(self, case, inputs):
+        from course_lib.training.data_parallel import flat_parameters, train_single_process
+
+        model = _model(case)
+        initial = flat_parameters(model)
+        data_x, data_y = _dataset(case)
+        with _one_thread():
+            log = train_single_process(model, torch.optim.SGD(model.parameters(), lr=LR), (data_x, data_y),
+                                       F.cross_entropy, batches=_global_batches(case), record_parameters=True)
+        facts = {"initial": initial, "reference": [p.clone() for p in log.parameters[1:STEPS + 1]]}
+        return [dict(facts) for _ in range(case.world_size)]
+
+    def run_case(self, call, case, rank, world_size, inputs):
         from course_lib.training.data_parallel import flat_gradient, flat_parameters
 
         model = _model(case)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        inputs, labels = _dataset(case)
-        local, averaged, parameters = [], [], []
+        data_x, data_y = _dataset(case)
+        averaged, parameters = [], []
         for batch in _global_batches(case):
             mine = batch[rank * BATCH:(rank + 1) * BATCH]
             optimizer.zero_grad()
-            F.cross_entropy(model(inputs[mine]), labels[mine]).backward()
-            local.append(clone(flat_gradient(model)))
+            F.cross_entropy(model(data_x[mine]), data_y[mine]).backward()
             call(model)
             averaged.append(clone(flat_gradient(model)))
             optimizer.step()
             parameters.append(flat_parameters(model))
-        return {"local": local, "averaged": averaged, "parameters": parameters}
+        return {"averaged": averaged, "parameters": parameters}
 
     def judge(self, case, records, complete=True):
         if not complete:
             return []
-        from course_lib.training.data_parallel import train_single_process
-
         G = case.world_size
-        model = _model(case)
-        names = [(name, p.numel()) for name, p in model.named_parameters()]
+        names = [(name, p.numel()) for name, p in _model(case).named_parameters()]
+        size = sum(numel for _, numel in names)
+        for rank, record in enumerate(records):
+            for key in ("averaged", "parameters"):
+                values = record[key]
+                if (not isinstance(values, list) or len(values) != STEPS
+                        or not all(isinstance(v, torch.Tensor) and v.numel() == size for v in values)):
+                    return [Problem(f"rank {rank}'s {'gradients' if key == 'averaged' else 'parameters'} changed shape: "
+                                    f"average_gradients must leave every .grad the shape of its parameter.",
+                                    order=(0, rank), line="mean")]
+        with _one_thread():
+            problems = self._mean_problems(case, records, names) + self._training_problems(case, records)
+        received = [sum(m.numel for m in record["messages"] if not m.is_send) for record in records]
+        needed = STEPS * size * (G - 1) / G
+        short = [rank for rank, count in enumerate(received) if count < needed]
+        if G > 1 and short:
+            rank = short[0]
+            mean_right = not any(p.line == "mean" for p in problems)
+            problems.append(Problem(
+                f"rank {rank} received {received[rank]} elements in {STEPS} steps; an all-reduce of the {size} gradient "
+                f"values needs at least {size}(G - 1)/G per step ({needed:g} in all)"
+                + (": the mean it holds did not come through the point-to-point messages the check traces."
+                   if mean_right else ": every rank must send and receive its part of the gradients."),
+                order=(-1, rank), line=None if mean_right else "exchange"))
+        return problems
+
+    def _mean_problems(self, case, records, names):
+        """Step by step, every rank's gradients after the learner's function against the mean of the ranks' own
+        local gradients, recomputed here at the parameters each rank reported."""
+        G = case.world_size
         eps = torch.finfo(torch.float32).eps
+        local_gradient = _LocalGradients(case)
         for step in range(STEPS):
-            locals_ = torch.stack([record["local"][step].double() for record in records])
+            before = [record["initial"] if step == 0 else record["parameters"][step - 1] for record in records]
+            locals_ = torch.stack([local_gradient(before[rank], rank, step).double() for rank in range(G)])
             mean = locals_.mean(0)
             tol = (G + 2) * eps * locals_.abs().sum(0) / G + 1e-12
             for rank, record in enumerate(records):
-                got = record["averaged"][step].double()
-                if got.shape != mean.shape:
-                    return [Problem(f"step {step}: rank {rank}'s gradients changed shape.", order=(step, rank))]
+                got = record["averaged"][step].double().reshape(-1)
                 bad = (got - mean).abs() > tol
                 if not bool(bad.any()):
                     continue
                 index = int(bad.nonzero()[0])
                 which = _parameter_at(names, index)
-                own = records[rank]["local"][step].double()
-                if torch.equal(got, own) and G > 1:
+                if torch.equal(got, locals_[rank]) and G > 1:
                     text = (f"step {step}: after average_gradients rank {rank}'s gradients are still its own local "
                             "ones: the ranks must exchange them and take the mean.")
                 elif G > 1 and bool(((got - G * mean).abs() <= G * tol).all()):
@@ -107,24 +187,18 @@ class AverageGradients(FunctionExercise):
                 else:
                     text = (f"step {step}: rank {rank}'s gradient of {which} is {got[index].item():.6g} at one element; "
                             f"the mean over all ranks' gradients is {mean[index].item():.6g}.")
-                return [Problem(text, order=(step, rank))]
-        # The claim of the lesson: G ranks train exactly like one process on the whole global batches.
-        reference_model = _model(case)
-        inputs, labels = _dataset(case)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a tiny model; and no OpenMP pool in this process for later forks to trip on
-        try:
-            reference = train_single_process(reference_model, torch.optim.SGD(reference_model.parameters(), lr=LR),
-                                             (inputs, labels), F.cross_entropy, batches=_global_batches(case),
-                                             record_parameters=True)
-        finally:
-            torch.set_num_threads(threads)
+                return [Problem(text, order=(step, rank), line="mean")]
+        return []
+
+    def _training_problems(self, case, records):
+        """The claim of the lesson: G ranks train exactly like one process on the whole global batches."""
         for step in range(STEPS):
             for rank, record in enumerate(records):
-                gap = (record["parameters"][step] - reference.parameters[step + 1]).abs().max().item()
-                if gap > 1e-5:
+                gap = (record["parameters"][step].double() - record["reference"][step].double()).abs().max().item()
+                if not gap <= 1e-5:
                     return [Problem(f"after step {step} rank {rank}'s parameters differ from one process training on "
-                                    f"the whole global batch by up to {gap:.3g}.", order=(STEPS, step, rank))]
+                                    f"the whole global batch by up to {gap:.3g}.", order=(STEPS, step, rank),
+                                    line="training")]
         return []
 
 
@@ -141,7 +215,11 @@ register(AverageGradients(
     name="average_gradients", notebook="07_data_parallel_training", points=10,
     signature="average_gradients(model) -> None",
     summary="after backward on every rank, replace every parameter's .grad by the mean over all ranks",
-    checks=("three SGD steps of a small MLP on G = 1 to 4 ranks (more in the hidden cases), equal batches per rank",
-            "after your function every rank's gradients equal the mean of all ranks' local gradients (float tolerance)",
-            "the parameters after every step equal one process training on the whole global batch (within 1e-5)"),
+    rubric=(RubricLine("exchange", "every rank sends and receives its part of the gradients: at least n(G - 1)/G of "
+                                   "the n gradient values per step (three SGD steps of a small MLP, equal batches)", 3),
+            RubricLine("mean", "after your function every rank's gradients equal the mean of all ranks' local "
+                               "gradients, at every step (float tolerance)", 5),
+            RubricLine("training", "the parameters after every step equal one process training on the whole global "
+                                   "batch (within 1e-5)", 1),
+            RubricLine("single", "with one rank (G = 1) the gradients stay as they are", 1, family=SINGLE_RANK)),
     forbidden=("training",)))
