@@ -18,8 +18,10 @@ What can go wrong, and what happens:
   once. The case fails with the exception; the remaining cases of that world size run in a new launch.
 * a deadlock or an endless loop: a watchdog thread in every rank notices that the case has run for
   `case_timeout` seconds, writes what the rank is blocked in (or which line of the learner's code it
-  is running) and ends the rank. The case fails with an explanation read from all ranks' reports;
-  the remaining cases of that world size are skipped (each would cost another timeout).
+  is running) and ends the rank. The first such case of a world size runs once more, alone, with
+  RETRY_FACTOR times the time (a busy machine is not a deadlock). If it hangs again it fails with an
+  explanation read from all ranks' reports, and the remaining cases of that world size are skipped
+  (each would cost another timeout).
 * a forbidden call (a built-in collective, course_lib's own implementation): that case scores 0.
 * NotImplementedError: the exercise is "not done yet"; nothing else runs.
 * a check that runs out of its overall time budget marks the cases it did not reach as not run.
@@ -46,9 +48,11 @@ from course_lib.exercises import feedback, registry, wire
 from course_lib.exercises.registry import Case, Problem
 from course_lib.exercises.tracing import ForbiddenCall, Tracer, learner_frame
 
-__all__ = ["CaseResult", "Outcome", "RankBatch", "run_function", "run_batch", "drive", "CASE_TIMEOUT", "BUDGET"]
+__all__ = ["CaseResult", "Outcome", "RankBatch", "run_function", "run_batch", "drive", "CASE_TIMEOUT", "BUDGET",
+           "RETRY_FACTOR"]
 
 CASE_TIMEOUT = 4.0   # seconds one case may take on the ranks (a correct one takes milliseconds)
+RETRY_FACTOR = 4     # a case that hung runs once more, alone, with this many times the time, before it counts
 BUDGET = 45.0        # seconds a whole check may take; cases not reached by then are not run
 _STUCK_EXIT = 3
 
@@ -220,6 +224,9 @@ def _rank_main(rank, world_size, exercise_name, fn, cases, inputs, first_index, 
         index = first_index + offset
         tracer = Tracer(case_index=offset + 1, forbidden_modules=exercise.forbidden, namespaces=namespaces,
                         largest_message=case.numel)
+        # Line the ranks up, so that every rank's watchdog starts counting at about the same moment: on a busy
+        # machine a rank can start a case seconds after another, which would otherwise read as a hang.
+        torch.distributed.barrier()
         watchdog.begin(index, tracer)
         try:
             record = exercise.run_case(_Call(fn, tracer, watchdog), case, rank, world_size, inputs[offset][rank])
@@ -435,8 +442,23 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
         by_size.setdefault(case.world_size, []).append(index)
     results: dict[int, CaseResult] = {}
     deadline = time.monotonic() + budget
+
+    def evaluate(index, batch, timeout):
+        """(CaseResult or None when not done yet, what to do next, whether every rank reported) for one case."""
+        world_size = cases[index].world_size
+        raw = batch.records.get(index) or [None] * world_size
+        raw = list(raw)[:world_size] + [None] * max(0, world_size - len(raw))
+        records = _merge(exercise, raw, exercise.oracle(cases[index], inputs[index]))
+        if all(rec is not None and rec["status"] == "ok" for rec in records):
+            return _judge(exercise, cases[index], records), "next", True
+        stuck = list(batch.stuck.get(index) or [None] * world_size)[:world_size]
+        stuck = [wire.clean_record(s) if s is not None else None for s in stuck + [None] * (world_size - len(stuck))]
+        stuck = [s if s is not None and s["status"] == "stuck" else None for s in stuck]
+        result, follow = _failed_case(exercise, cases[index], records, stuck, batch.launch_error, timeout)
+        return result, follow, all(rec is not None for rec in records)
+
     for world_size in sorted(by_size):
-        todo = by_size[world_size]
+        todo, retried = by_size[world_size], False
         while todo:
             if time.monotonic() > deadline:
                 for index in todo:
@@ -446,21 +468,22 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
             batch = run(world_size, [cases[i] for i in todo], [inputs[i] for i in todo], todo[0], case_timeout)
             next_todo = []
             for position, index in enumerate(todo):
-                raw = batch.records.get(index) or [None] * world_size
-                raw = list(raw)[:world_size] + [None] * max(0, world_size - len(raw))
-                records = _merge(exercise, raw, exercise.oracle(cases[index], inputs[index]))
-                if all(rec is not None and rec["status"] == "ok" for rec in records):
-                    results[index] = _judge(exercise, cases[index], records)
-                    continue
-                stuck_raw = list(batch.stuck.get(index) or [None] * world_size)[:world_size]
-                stuck_raw += [None] * (world_size - len(stuck_raw))
-                stuck = [wire.clean_record(s) if s is not None else None for s in stuck_raw]
-                stuck = [s if s is not None and s["status"] == "stuck" else None for s in stuck]
-                result, follow = _failed_case(exercise, cases[index], records, stuck, batch.launch_error, case_timeout)
+                result, follow, everyone = evaluate(index, batch, case_timeout)
                 if result is None:
                     return Outcome([], not_done=follow)
+                if follow == "skip" and not retried:
+                    # A hang may be a busy machine rather than a deadlock: once per world size, the case runs
+                    # again alone with more time before it counts (a true deadlock costs that time once).
+                    retried = True
+                    longer = case_timeout * RETRY_FACTOR
+                    result, follow, everyone = evaluate(index, run(world_size, [cases[index]], [inputs[index]], index,
+                                                                   longer), longer)
+                    if result is None:
+                        return Outcome([], not_done=follow)
+                    if follow != "skip":
+                        everyone = False      # go on with the rest of this world size in a new launch
                 results[index] = result
-                if all(rec is not None for rec in records):
+                if everyone:
                     continue          # every rank reported and went on to the next case
                 rest = todo[position + 1:]
                 if follow == "skip":
