@@ -9,7 +9,8 @@ the grader: the answers' names, from `exercises_in`) reads, including what the f
 when they are called:
 
 * a cell is kept when it **binds** such a name (an assignment, ``def``, ``class``, ``import``, a ``for`` or
-  ``with`` target, ...); every name it reads, inside its functions too, is then needed before it;
+  ``with`` target, ...); every name it reads when it runs is then needed before it (what the body of a
+  function it defines reads is needed where that function is called: by the grader, or by a later cell);
 * a cell is kept when it may **change** such a value without binding it: it assigns to an attribute or item
   of it (``cache[0] = 1``), calls one of its methods (``cache.append(1)``), hands it to a call that may change
   it (``fill(buffer)``; not ``print`` or ``len``), calls a function that reads needed notebook data, or, for a
@@ -83,10 +84,12 @@ class Analysis:
                 self.top_reads.add(name)
         for child in top.get_children():
             reads = _global_reads(child)
-            if child.get_type() in ("function", "class") and child.get_name() in self.binds:
-                self.functions[child.get_name()] = reads
-            else:                                  # a lambda or comprehension: runs (or may run) right here
+            if child.get_type() == "function" and child.get_name() in self.binds:
+                self.functions[child.get_name()] = reads    # read when the function is called, not now
+            else:                                  # a class body, a lambda, a comprehension: runs (or may) right here
                 self.top_reads |= reads
+                if child.get_type() == "class":
+                    self.functions[child.get_name()] = reads
         self.reads = self.top_reads | set().union(*self.functions.values())
         unsafe = self.reads & _UNSAFE_NAMES
         if unsafe:
@@ -274,5 +277,5 @@ def cells_to_run(sources, answer_names) -> tuple[list[int], str]:
             keep.add(index)
             # What this cell binds anew, an earlier cell's value no longer reaches the readers after it; the
             # cell's own reads are needed before it (its own bindings of them included, for a ``x = x + 1``).
-            live = (live - (cell.kills - cell.reads)) | expand(cell.reads)
+            live = (live - (cell.kills - cell.top_reads)) | expand(cell.top_reads)
     return sorted(keep), ""
