@@ -47,3 +47,24 @@ def test_a_record_keeps_only_what_the_judge_reads():
                    {**raw, "messages": [{"op": "send", "peer": "1", "numel": 2}]}, {**raw, "printed": "x"},
                    {**raw, "after": object()}, "ok"):
         assert wire.clean_record(broken, observed=("after", "returned")) is None
+
+
+def test_grading_needs_nothing_the_course_install_lacks():
+    """course_lib.grade and course_lib.exercises import only the standard library and requirements/base.txt's packages."""
+    import ast
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    provided = {"torch", "numpy", "cloudpickle", "matplotlib", "ipywidgets", "IPython", "course_lib",  # base.txt
+                "tomli"}   # optional: Python 3.10 reads TOML rubric files with it if installed, else says to use JSON
+    base = (root / "requirements" / "base.txt").read_text()
+    assert all(name in base for name in ("torch==", "numpy==", "cloudpickle==", "ipykernel==", "matplotlib=="))
+    for folder in ("grade", "exercises"):
+        for path in (root / "course_lib" / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    assert top in sys.stdlib_module_names or top in provided, f"{path.name} imports {name}"

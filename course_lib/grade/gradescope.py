@@ -29,7 +29,7 @@ from course_lib.grade.sandbox import DEFAULT_USER
 __all__ = ["build_autograder", "prepare_root", "PINNED"]
 
 # What the sandbox needs at run time, pinned to the versions installed where the zip is built.
-PINNED = ("numpy", "cloudpickle", "matplotlib", "ipywidgets", "ipykernel", "ipython", "nbformat")
+PINNED = ("numpy", "cloudpickle", "matplotlib", "ipywidgets", "ipykernel", "ipython")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 VENV = "/opt/course_lib"
 
@@ -89,7 +89,7 @@ def _source_files(package_root: pathlib.Path):
 def _pyproject(version: str) -> str:
     return (f'[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n\n'
             f'[project]\nname = "course_lib"\nversion = "{version}"\nrequires-python = ">=3.10"\n'
-            f'dependencies = ["torch>=2.2", "cloudpickle>=2.0", "numpy>=1.22", "nbformat>=5", "ipykernel>=6"]\n\n'
+            f'dependencies = ["torch>=2.2", "cloudpickle>=2.0", "numpy>=1.22", "ipython>=8"]\n\n'
             f'[tool.setuptools.packages.find]\ninclude = ["course_lib*"]\n')
 
 

@@ -1,7 +1,9 @@
 """Reading a submitted notebook as data: its code cells and the exercises it has. Nothing in it is run here.
 
-`read_notebook` refuses, with a message that says what to do, what is not a Python notebook: a file that is
-not JSON, JSON that is not a notebook, a notebook for another language.
+The file is read as the JSON it is (nbformat 4, the format Jupyter has saved since 2015), with the standard
+library only: grading needs nothing the course's own install (requirements/base.txt) lacks. `read_notebook`
+refuses, with a message that says what to do, what is not a Python notebook: a file that is not JSON, JSON
+that is not a notebook, a notebook for another language.
 """
 
 from __future__ import annotations
@@ -25,10 +27,18 @@ class NotebookError(ValueError):
         self.kind = kind
 
 
-def read_notebook(path):
-    """The notebook at `path` (an nbformat v4 node), or NotebookError saying why it cannot be graded."""
-    import nbformat
+def _text(value) -> str | None:
+    """A cell's source as one string (the file may store it as a list of lines)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(line, str) for line in value):
+        return "".join(value)
+    return None
 
+
+def read_notebook(path) -> dict:
+    """The notebook at `path` as {'cells': [{'cell_type', 'source'}, ...], 'metadata': {...}} (sources as
+    strings), or NotebookError saying why it cannot be graded."""
     path = pathlib.Path(path)
     try:
         size = path.stat().st_size
@@ -42,25 +52,29 @@ def read_notebook(path):
         raise NotebookError("unreadable", f"{path.name} is not a Jupyter notebook (not JSON: {exc}). Submit the "
                                           ".ipynb file that Jupyter saves, not an export.") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
+        if isinstance(raw, dict) and "worksheets" in raw:
+            raise NotebookError("unreadable", f"{path.name} is an old (nbformat 3) notebook: open it in Jupyter and "
+                                              "save it, which writes the current format")
         raise NotebookError("unreadable", f"{path.name} is JSON but not a Jupyter notebook (no list of cells)")
-    try:
-        notebook = nbformat.reads(json.dumps(raw), as_version=4)
-    except Exception as exc:  # noqa: BLE001 - nbformat's errors vary with the damage
-        raise NotebookError("unreadable", f"{path.name} is a damaged notebook ({type(exc).__name__}: "
-                                          f"{str(exc)[:200]})") from None
-    language = (notebook.metadata.get("kernelspec", {}).get("language")
-                or notebook.metadata.get("language_info", {}).get("name") or "python")
+    metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
+    kernelspec = metadata.get("kernelspec") if isinstance(metadata.get("kernelspec"), dict) else {}
+    language_info = metadata.get("language_info") if isinstance(metadata.get("language_info"), dict) else {}
+    language = kernelspec.get("language") or language_info.get("name") or "python"
     if str(language).lower() != "python":
         raise NotebookError("unrunnable", f"{path.name} is a {language} notebook; the course's notebooks are Python")
-    for index, cell in enumerate(notebook.cells):
-        if cell.get("cell_type") == "code" and not isinstance(cell.get("source"), str):
-            raise NotebookError("unreadable", f"{path.name}: cell {index} has no source text")
-    return notebook
+    cells = []
+    for index, cell in enumerate(raw["cells"]):
+        source = _text(cell.get("source")) if isinstance(cell, dict) else None
+        if source is None:
+            raise NotebookError("unreadable", f"{path.name} is a damaged notebook: cell {index} has no source text")
+        cells.append({"cell_type": cell.get("cell_type"), "source": source})
+    return {"cells": cells, "metadata": metadata}
 
 
 def code_cells(notebook) -> list[tuple[int, str]]:
-    """(position in the notebook, source) of every code cell."""
-    return [(index, cell.source) for index, cell in enumerate(notebook.cells) if cell.get("cell_type") == "code"]
+    """(position in the notebook, source) of every code cell (of `read_notebook`'s dict or an nbformat node)."""
+    return [(index, _text(cell["source"])) for index, cell in enumerate(notebook["cells"])
+            if cell.get("cell_type") == "code"]
 
 
 def exercises_of_number(filename: str) -> list[str]:
@@ -78,15 +92,14 @@ def exercises_in(notebook, filename: str = "") -> list[str]:
 
     Example::
 
-        >>> exercises_in(nbformat.read("assignments/05_ring_all_gather.ipynb", 4), "05_ring_all_gather.ipynb")
+        >>> exercises_in(read_notebook("assignments/05_ring_all_gather.ipynb"), "05_ring_all_gather.ipynb")
         ['ring_all_gather', 'ring']
     """
     from course_lib.exercises import registry
 
     names = []
-    for cell in notebook.cells:
-        if cell.get("cell_type") == "code":
-            names += [n for n in CHECK_CALL.findall(cell.source) if n not in names]
+    for _, source in code_cells(notebook):
+        names += [n for n in CHECK_CALL.findall(source) if n not in names]
     names += [n for n in exercises_of_number(filename) if n not in names]
     known = {e.name for e in registry.all_exercises()}
     return [n for n in names if n in known]
