@@ -232,3 +232,25 @@ def test_the_readme_lists_every_assignment_with_its_points():
     assert {name: int(value) for name, value in rows.items()} == points
     assert sorted(f"{name}.ipynb" for name in rows) == SOURCES
     assert f"{sum(points.values()):g} points in all" in section
+
+
+def test_the_readme_says_what_each_assignment_forbids_as_the_code_does():
+    """The "forbids" column names exactly the course_lib modules the notebook's exercises refuse."""
+    import re
+
+    from course_lib.exercises import registry
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Teaching with it"):]
+    section = section[:section.index("\n## ", 3)]
+    rows = re.findall(r"^\| `(\d\d_\w+)` \| .* \| (.*) \| \d+ \|$", section, re.MULTILINE)
+    assert len(rows) == len(SOURCES)
+    for notebook, forbids in rows:
+        functions = [e for e in registry.all_exercises() if e.notebook == notebook and e.kind == "function"]
+        modules = {f"course_lib.{m}" for e in functions for m in e.forbidden}
+        named = set(re.findall(r"course_lib\.\w+", forbids.split("(so")[0]))
+        assert named == modules, (notebook, forbids)
+        assert ("built-in collectives" in forbids) == bool(functions) and ("(questions)" == forbids) == (not functions)
+        assert all("torch.distributed collectives" in e.forbids for e in functions)
+    for word in ("--rubric-defaults", "docs/rubric.toml", "--class", "--gradescope-autograder", "--nbgrader"):
+        assert word in section, word

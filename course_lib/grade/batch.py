@@ -123,6 +123,24 @@ def warn_about_exposure(submissions, stream) -> None:
               file=stream)
 
 
+def preload() -> None:
+    """Import everything the judge will use before any submission runs: a module imported later would be read from
+    disk after a submission could have changed it (without root, the sandbox runs as the judge's user)."""
+    from IPython.core import inputtransformer2  # noqa: F401 - the cell plan's translation of IPython syntax
+
+    from course_lib.exercises import registry
+    from course_lib.grade import cells, channel, notebook, results, sandbox  # noqa: F401
+    from course_lib.training import data_parallel, toy  # noqa: F401 - average_gradients' oracle
+    from course_lib.viz import traffic_plots  # noqa: F401 - the traffic questions' formulas
+
+    for exercise in registry.all_exercises():
+        if exercise.kind == "function":
+            first = exercise.cases(hidden=True)[0]
+            exercise.oracle(first, exercise.inputs(first))
+        else:
+            exercise.rubric
+
+
 def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | None = None, timeout: float = 900.0,
                       cell_timeout: float = 300.0, progress=None, user_base: str = DEFAULT_USER) -> list:
     """Grade every notebook of every submission, `jobs` at a time; returns one `SubmissionGrade` per submission.
@@ -140,6 +158,7 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
         [ 1/16] alice/00_hello_ranks.ipynb: 5/5 in 9.8 s (about 2 min left)
     """
     jobs = jobs or default_jobs()
+    preload()
     grades = [SubmissionGrade(s.name, [None] * len(s.notebooks), s.problem) for s in submissions]
     tasks = deque((i, j) for i, s in enumerate(submissions) for j in range(len(s.notebooks)))
     remaining = {i: len(s.notebooks) for i, s in enumerate(submissions)}
