@@ -48,7 +48,8 @@ class NotebookGrade:
         tests: one dict per exercise: name, score, max_score, output (the report) and lines (the rubric lines).
         notes: for the learner: cells that raised, ran too long or killed the process; processes left running.
         info: for the instructor: which cells ran and why.
-        seconds: how long grading it took.
+        seconds: how long grading it took; timings: where that time went (starting sandboxes, running cells,
+            each exercise's checks, stopping), in seconds.
     """
 
     path: str
@@ -57,6 +58,7 @@ class NotebookGrade:
     notes: list = field(default_factory=list)
     info: list = field(default_factory=list)
     seconds: float = 0.0
+    timings: dict = field(default_factory=dict)
 
     @property
     def score(self) -> float:
@@ -165,6 +167,7 @@ class _Session:
         self.left_running = 0
         self.run_notes: list = []
         self.plan, self.why = self._plan()
+        self.timings = {"sandbox start": 0.0, "cells": 0.0, "stop": 0.0}
 
     def _plan(self):
         kept = [i for i in range(len(self.cells)) if i not in self.skip]
@@ -183,9 +186,13 @@ class _Session:
         while self.box is None:
             if self._left() <= 0:
                 raise SandboxTimeout("the notebook ran out of time")
+            started = time.monotonic()
             self.box = Sandbox.start(self.workdir, self.log_path, self.user, startup_timeout=min(120, max(1, self._left())))
+            ready = time.monotonic()
             self.run_notes = []
             died_in = self._run_cells()
+            self.timings["sandbox start"] += ready - started
+            self.timings["cells"] += time.monotonic() - ready
             if died_in is not None:
                 self.stop()
                 self.skip.add(died_in)
@@ -226,8 +233,10 @@ class _Session:
 
     def stop(self) -> None:
         if self.box is not None:
+            started = time.monotonic()
             self.left_running += max(0, self.box.stop())
             self.box = None
+            self.timings["stop"] += time.monotonic() - started
 
 
 def _check_question(box, exercise, weights) -> Result:
@@ -368,9 +377,12 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
     workdir = _workdir(root, user)
     session = _Session(path, code_cells(notebook), [e.answer_name for e in exercises], workdir,
                        root / f"{workdir.name}.log", user, cell_timeout, started + timeout, grade)
+    checks = {}
     try:
         for exercise in exercises:
+            before = time.monotonic() - sum(session.timings.values())
             result = _check(session, exercise, weights.get(exercise.name), case_timeout)
+            checks[exercise.name] = time.monotonic() - sum(session.timings.values()) - before
             grade.tests.append(result.to_dict())
     except SandboxStartError as exc:
         grade.status = "unrunnable"
@@ -390,6 +402,8 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
     if grade.status != "graded":
         grade.tests = [_zero(e, f"not graded: {grade.notes[-1]}", weights.get(e.name)).to_dict() for e in exercises]
     grade.seconds = time.monotonic() - started
+    grade.timings = {**{k: round(v, 3) for k, v in session.timings.items()},
+                     "checks": {k: round(v, 3) for k, v in checks.items()}}
     return grade
 
 

@@ -175,7 +175,11 @@ def main(argv=None) -> int:
     os.makedirs(os.environ.get("TMPDIR", "/tmp"), exist_ok=True)
     from course_lib.grade import channel
 
-    import course_lib.exercises  # noqa: F401 - the exercises register themselves; torch is imported once, here
+    from course_lib.exercises import registry
+
+    # Every exercise module imported once, here: the ranks are forked from this process, and a module each
+    # rank imported for itself would cost every rank of every launch its import time again.
+    registry.all_exercises()
     shell = _shell()
     sys.stdout = sys.stderr = _Sink()
     channel.send(args.fd_out, {"ready": True})

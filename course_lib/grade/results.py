@@ -61,7 +61,9 @@ def results_json(grades, *, seconds: float | None = None) -> dict:
     possible = round(sum(g.max_score for g in grades), 2)
     problems = [f"{pathlib.Path(g.path).name}: {g.notes[-1]}" for g in grades if g.status != "graded" and g.notes]
     result = {"score": total, "output": f"{format_points(total)} of {format_points(possible)} points."
-              + ("\n" + "\n".join(problems) if problems else ""), "tests": tests}
+              + ("\n" + "\n".join(problems) if problems else ""), "tests": tests,
+              "extra_data": {"notebooks": {pathlib.Path(g.path).name: {"seconds": round(g.seconds, 3), **g.timings}
+                                           for g in grades}}}
     if seconds is not None:
         result["execution_time"] = round(seconds)
     return result
