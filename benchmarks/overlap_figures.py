@@ -2,6 +2,7 @@
 
     python benchmarks/overlap_figures.py [--world-size 2] [--reps 11] [--steps 8] [--width 1024]
                                          [--depth 4] [--batch 128] [--bucket-mb 4] [--allreduce ring]
+                                         [--network "100 MB/s, 1 ms"]
 
 The model is a stack of wide Linear layers (width x width weights) trained on random data with a
 small per-rank batch: its gradient is large for the compute it takes, so the all-reduce is a large
@@ -20,7 +21,12 @@ the all-reduce's share of the step in the one-all-reduce variant, the communicat
 after backward, and one step's bucket timeline from the overlap run. Cross-rank argument checks are
 off (course_lib.unchecked()), as in course_lib.bench, so only the algorithms are timed.
 
-Writes benchmarks/results/overlap_figures_<G>ranks.json (every number, the machine, the load average
+With --network every message takes the time of a modeled link (course_lib.network): compute is this
+machine's, communication the link's, which is what overlap needs to be seen on a machine whose ranks
+share two cores. The report then also gives max(compute, communication), the least a step can take
+when the two overlap perfectly (compute = the one-all-reduce step minus its all-reduce).
+
+Writes benchmarks/results/overlap_figures_<G>ranks[_network].json (every number, the machine, the load average
 before and after) and overlap_figures_<G>ranks.md (a short table). Not a test: the figures depend on the machine and
 on what else runs on it.
 """
@@ -116,12 +122,22 @@ def analyse(per_rank: list, options: dict) -> dict:
         ratios = [max(r["runs"]["buckets, overlap"][i]["step"] for r in per_rank) /
                   max(r["runs"][other][i]["step"] for r in per_rank) for i in range(reps)]
         paired[f"buckets, overlap / {other}"] = _spread(ratios)
-    return {"variants": figures, "paired_ratios": paired}
+    # The perfect-overlap bound, per repetition, from the one-all-reduce run's slowest rank.
+    plain = [max(per_rank, key=lambda r: r["runs"]["one all-reduce"][i]["step"])["runs"]["one all-reduce"][i]
+             for i in range(reps)]
+    overlapped = [max(r["runs"]["buckets, overlap"][i]["step"] for r in per_rank) for i in range(reps)]
+    compute = [run["step"] - run["communication"] for run in plain]
+    communication = [run["communication"] for run in plain]
+    best = [max(c, m) for c, m in zip(compute, communication)]
+    bound = {"compute": _spread(compute), "communication": _spread(communication), "max": _spread(best),
+             "communication_share": _spread([m / run["step"] for m, run in zip(communication, plain)]),
+             "overlap_over_max": _spread([o / b for o, b in zip(overlapped, best)])}
+    return {"variants": figures, "paired_ratios": paired, "overlap_bound": bound}
 
 
 def write(result: dict) -> tuple[pathlib.Path, pathlib.Path]:
     RESULTS.mkdir(exist_ok=True)
-    stem = f"overlap_figures_{result['options']['world_size']}ranks"
+    stem = f"overlap_figures_{result['options']['world_size']}ranks" + ("_network" if result["options"].get("network") else "")
     json_path, md_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     md_path.write_text(markdown(result))
@@ -138,7 +154,8 @@ def markdown(result: dict) -> str:
         f"Linear({o['width']}, {o['width']}) + head = {result['parameters']:,} parameters "
         f"({result['gradient_mib']:.1f} MiB of gradient), batch {o['batch']} per rank, buckets of {o['bucket_mb']} MiB "
         f"({result['buckets']} buckets), all-reduce `{o['allreduce']}`; {o['reps']} interleaved repetitions of "
-        f"{o['steps']} steps each; slowest rank per repetition.",
+        f"{o['steps']} steps each; slowest rank per repetition."
+        + (f" Modeled network: {o['network']} (every message takes that link's time)." if o.get("network") else ""),
         "",
         f"Machine: {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, {m['date']}. "
         f"Load average (1, 5, 15 min) before: {result['load_before']}, after: {result['load_after']}"
@@ -156,6 +173,15 @@ def markdown(result: dict) -> str:
     lines += ["", "Paired ratios of step time (same repetition), median (min..max):", ""]
     for name, r in result["paired_ratios"].items():
         lines.append(f"- {name}: {r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f})")
+    bound = result.get("overlap_bound")
+    if bound:
+        lines += ["", "The bound overlap aims at, per repetition from the one-all-reduce run: compute = its step minus "
+                      "its all-reduce; max(compute, communication) is the step if the two overlapped perfectly.", "",
+                  f"- compute {ms(bound['compute']['median'])} ms, communication {ms(bound['communication']['median'])} ms "
+                  f"(communication share of the step {bound['communication_share']['median']:.2f})",
+                  f"- max(compute, communication) {ms(bound['max']['median'])} ms",
+                  f"- buckets, overlap / max(compute, communication): {bound['overlap_over_max']['median']:.3f} "
+                  f"({bound['overlap_over_max']['min']:.3f}..{bound['overlap_over_max']['max']:.3f})"]
     lines.append("")
     return "\n".join(lines)
 
@@ -170,6 +196,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     parser.add_argument("--allreduce", default="ring")
+    parser.add_argument("--network", default=None, help="a modeled link, e.g. '100 MB/s, 1 ms' (course_lib.network)")
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -177,12 +204,13 @@ def main(argv=None) -> dict:
         parser.error("--reps must be at least 9: a median of fewer runs on a shared machine means little")
     options = {"world_size": args.world_size, "reps": args.reps, "steps": args.steps, "width": args.width,
                "depth": args.depth, "batch": args.batch, "bucket_mb": args.bucket_mb, "allreduce": args.allreduce,
-               "samples": args.world_size * args.batch * (args.steps + 1), "note": args.note}
+               "samples": args.world_size * args.batch * (args.steps + 1), "note": args.note, "network": args.network}
     model = make_model(args.width, args.depth)
     params = list(model.parameters())
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.perf_counter()
-    per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=1800)
+    per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=1800,
+                                 network=args.network)
     result = {
         "options": options,
         "machine": bench.machine_description(),

@@ -102,7 +102,7 @@ KNOWN_CALLS = ("broadcast", "scatter", "gather", "all_gather", "all_to_all", "re
                "reduce_scatter", "allreduce.naive", "allreduce.parameter_server", "allreduce.ring",
                "allreduce.ring_scatter_reduce", "allreduce.ring_all_gather",
                "allreduce.ring_pipelined", "allreduce.ring_bidirectional", "allreduce.halving_doubling",
-               "allreduce.tree")
+               "allreduce.recursive_doubling", "allreduce.tree")
 
 
 def name_code(name: str) -> int:

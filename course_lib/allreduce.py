@@ -65,13 +65,17 @@ def naive(tensor: torch.Tensor, op=ops.SUM) -> None:
         everyone = [None] * world_size
         everyone[rank] = flat.clone()
         with traffic.phase("exchange"):
-            # Step k: send to the rank k+1 places ahead, receive from the one k+1 behind. Sends are
-            # posted without waiting, so no rank can block another.
+            # Step k: send to the rank k+1 places ahead, receive from the one k+1 behind. Every send and
+            # every receive is posted at once, before waiting for any: no rank can block another, and
+            # all G-1 messages are on their way together (the flood that names the method).
+            sends = [p2p.isend(everyone[rank], (rank + step + 1) % world_size)
+                     for step in traffic.steps(world_size - 1)]
+            receives = []
             for step in traffic.steps(world_size - 1):
-                dst, src = (rank + step + 1) % world_size, (rank - step - 1) % world_size
-                request = p2p.isend(everyone[rank], dst)
+                src = (rank - step - 1) % world_size
                 everyone[src] = torch.empty_like(flat)
-                p2p.recv(everyone[src], src)
+                receives.append(p2p.irecv(everyone[src], src))
+            for request in receives + sends:
                 request.wait()
         ops.reduce_in_rank_order(flat, everyone, op)
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -63,6 +64,7 @@ import shlex
 import statistics
 import sys
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -70,7 +72,8 @@ import torch
 import torch.distributed as dist
 
 import course_lib
-from course_lib import allreduce
+from course_lib import _checks, allreduce
+from course_lib import network as network_module
 
 __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUSBW_FACTORS",
            "VARIANTS", "ALL_VARIANTS", "parse_bytes", "format_bytes", "spread", "machine_description", "main"]
@@ -79,7 +82,7 @@ __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUS
 VARIANTS = ("naive", "parameter_server", "ring", "builtin")
 # Every variant, the faster ones of course_lib.fast_allreduce included ('master' is an alias, left out).
 ALL_VARIANTS = ("naive", "parameter_server", "ring", "ring_pipelined", "ring_bidirectional", "halving_doubling",
-                "tree", "builtin")
+                "recursive_doubling", "tree", "builtin")
 
 # nccl-tests' correction factors from algbw to busbw, G = number of ranks (doc/PERFORMANCE.md).
 BUSBW_FACTORS = {
@@ -179,6 +182,8 @@ class Result:
             processes (all their threads, user and kernel time).
         idle_ticks, total_ticks: with `cpu=True` only, Linux only: the machine's idle and total CPU ticks
             (/proc/stat, 1/100 s per CPU) during every kept repetition, summed over the ranks' readings.
+        network: under a modeled network, the link (`Network.describe()`); '' on the plain machine.
+        predicted: under a modeled network, the model's seconds for one call (`Network.predict`).
     """
 
     variant: str
@@ -192,6 +197,8 @@ class Result:
     cpu_seconds: list = field(default_factory=list)
     idle_ticks: list = field(default_factory=list)
     total_ticks: list = field(default_factory=list)
+    network: str = ""
+    predicted: float | None = None
 
     @property
     def median(self) -> float:
@@ -229,6 +236,11 @@ class Result:
         return sum(self.idle_ticks) / total if total else None
 
     @property
+    def model_ratio(self) -> float | None:
+        """Median time / the modeled link's prediction (None without a network)."""
+        return self.median / self.predicted if self.predicted else None
+
+    @property
     def algbw(self) -> float:
         """GB/s from the median time."""
         return algbw(self.nbytes, self.median)
@@ -246,12 +258,15 @@ class Result:
                       algbw_GBps=self.algbw, busbw_GBps=self.busbw)
         if self.cpu_seconds:
             record.update(cpu_median_s=self.cpu_median, idle_share=self.idle_share)
+        if self.predicted:
+            record.update(model_ratio=self.model_ratio)
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> "Result":
         names = ("variant", "world_size", "nbytes", "numel", "dtype", "backend", "times", "correct")
-        optional = ("cpu_seconds", "idle_ticks", "total_ticks")  # absent from files written without cpu=True
+        # absent from files written without cpu=True, or without a network
+        optional = ("cpu_seconds", "idle_ticks", "total_ticks", "network", "predicted")
         return cls(**{name: record[name] for name in names}, **{name: record[name] for name in optional if name in record})
 
     def __str__(self) -> str:
@@ -306,6 +321,9 @@ class Results(list):
         with_cpu = any(r.cpu_seconds for r in self)
         if with_cpu:
             header += f"  {'CPU/call':>10}  {'idle':>6}"
+        with_model = any(r.predicted for r in self)
+        if with_model:
+            header += f"  {'model':>10}  {'x model':>7}"
         if reference:
             header += f"  {'x ' + reference + ' (IQR)':>24}"
         lines = [header, "-" * len(header)]
@@ -317,6 +335,9 @@ class Results(list):
             if with_cpu:
                 cpu, idle = _cpu_cells(r)
                 line += f"  {cpu:>10}  {idle:>6}"
+            if with_model:
+                model, ratio = _model_cells(r)
+                line += f"  {model:>10}  {ratio:>7}"
             if reference:
                 paired = self._paired(r, reference)
                 line += f"  {_format_ratio(paired):>24}"
@@ -343,6 +364,11 @@ class Results(list):
         reps = sorted({len(r.times) for r in self})
         lines += ["", f"Repetitions per variant: {', '.join(map(str, reps))}; each repetition runs every variant "
                       "once (order shuffled anew each repetition); a repetition's time is the slowest rank's."]
+        networks = sorted({r.network for r in self if r.network})
+        if networks:
+            lines += ["", f"Modeled network: {'; '.join(networks)}. Every point-to-point message took the time of that "
+                          "link (course_lib.network); 'model' is the link's prediction for one call "
+                          "(Network.predict), 'x model' the median time divided by it."]
         if any(r.cpu_seconds for r in self):
             lines += ["", "CPU per call: CPU seconds of all ranks' processes together (every thread, user and kernel "
                           "time). Machine idle: the share of all CPUs' time that nothing ran during this variant's "
@@ -351,11 +377,14 @@ class Results(list):
             for n in sorted({r.nbytes for r in self.where(world_size=g)}):
                 rows = self.where(world_size=g, nbytes=n)
                 with_cpu = any(r.cpu_seconds for r in rows)
+                with_model = any(r.predicted for r in rows)
                 lines += ["", f"## {g} ranks, {format_bytes(n)} per rank ({rows[0].backend}, {rows[0].dtype})", "",
                           "| variant | median | IQR | min..max | busbw GB/s |"
                           + (" CPU per call, all ranks: median | machine idle |" if with_cpu else "")
+                          + (" model | x model |" if with_model else "")
                           + (f" x {reference}, paired: median (IQR; min..max) |" if reference else ""),
                           "| --- | --- | --- | --- | --- |" + (" --- | --- |" if with_cpu else "")
+                          + (" --- | --- |" if with_model else "")
                           + (" --- |" if reference else "")]
                 for r in rows:
                     q1, q3 = r.quartiles
@@ -365,6 +394,9 @@ class Results(list):
                     if with_cpu:
                         cpu, idle = _cpu_cells(r)
                         row += f" {cpu} | {idle} |"
+                    if with_model:
+                        model, ratio = _model_cells(r)
+                        row += f" {model} | {ratio} |"
                     if reference:
                         paired = self._paired(r, reference)
                         row += f" {_format_ratio(paired, full=True)} |"
@@ -464,6 +496,13 @@ def _cpu_cells(r: Result) -> tuple[str, str]:
     return cpu, idle
 
 
+def _model_cells(r: Result) -> tuple[str, str]:
+    """(the modeled link's prediction, median / prediction) as table text; '-' without a network."""
+    if not r.predicted:
+        return "-", "-"
+    return _format_seconds(r.predicted), f"{r.model_ratio:.3f}"
+
+
 def _format_ratio(paired, full: bool = False) -> str:
     if paired is None:
         return "-"
@@ -542,11 +581,14 @@ def _cpu_ticks() -> tuple[int, int]:
 
 
 def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int = 1, dtype: str = "float32",
-                    check: bool = True, cpu: bool = False) -> list[dict]:
+                    check: bool = True, cpu: bool = False, arg_checks: bool = False) -> list[dict]:
     """Time every variant at one size on this rank's process group; call it on every rank.
 
     With `cpu=True` each call's CPU time (`time.process_time`: every thread of this process) and the
-    machine's idle and total ticks are recorded too, and summed over the ranks.
+    machine's idle and total ticks are recorded too, and summed over the ranks. With `arg_checks=True`
+    course_lib's cross-rank argument check runs in every timed call, as in a learner's own code (by
+    default it is off: the algorithm alone is timed). Under a modeled network (`course_lib.network`)
+    every record also carries the link and its prediction.
 
     Returns the same list of plain records on every rank (the times are already the slowest rank's),
     ready for `Result(**record)`.
@@ -576,7 +618,7 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             if cpu:
                 cpu_start, ticks_start = time.process_time(), _cpu_ticks()
             start = time.perf_counter()
-            with course_lib.unchecked():  # time the algorithm only, not course_lib's argument check
+            with _checks.checking(arg_checks):  # by default the algorithm only, not course_lib's argument check
                 function(work)
             _synchronize(device)
             elapsed = time.perf_counter() - start
@@ -604,6 +646,9 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     for i, variant in enumerate(variants):
         record = dict(variant=variant, world_size=world_size, nbytes=nbytes, numel=numel, dtype=dtype,
                       backend=str(backend), times=slowest[i].tolist(), correct=bool(all_correct[i] == 1.0))
+        link = network_module.current()
+        if link is not None:
+            record.update(network=link.describe(), predicted=link.predict(variant, nbytes, world_size, element))
         if cpu:
             cpu_seconds, idle, total = summed[i].view(3, reps)
             record.update(cpu_seconds=cpu_seconds.tolist(), idle_ticks=[int(x) for x in idle.tolist()],
@@ -612,9 +657,10 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     return records
 
 
-def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, dtype, check, cpu=False):
+def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, dtype, check, cpu=False,
+                              arg_checks=False):
     return [record for nbytes in sizes
-            for record in measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu)]
+            for record in measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu, arg_checks)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -622,10 +668,13 @@ def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, d
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_variants(variants) -> tuple:
+def _check_variants(variants, link=None) -> tuple:
     variants = tuple(variants)
     if variants == ("all",):
-        return ALL_VARIANTS
+        return ALL_VARIANTS if link is None else tuple(v for v in ALL_VARIANTS if v != "builtin")
+    if link is not None and "builtin" in variants:
+        raise ValueError("'builtin' (torch.distributed.all_reduce) cannot be timed on a modeled network: its messages "
+                         "do not go through point-to-point calls, so the model never sees them. Leave it out.")
     unknown = [v for v in variants if v != "builtin" and v not in allreduce.VARIANTS]
     if unknown or not variants:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(ALL_VARIANTS)} (or 'all')")
@@ -634,15 +683,17 @@ def _check_variants(variants) -> tuple:
     return variants
 
 
-def _launch_timeout(nbytes, world_size, n_variants, calls) -> float:
+def _launch_timeout(nbytes, world_size, n_variants, calls, variants=(), link=None) -> float:
     # Generous: the naive exchange pushes G-1 copies per rank through a loopback shared by all ranks;
-    # at a pessimistic 20 MB/s that is the longest a healthy run may take.
-    return 60.0 + calls * n_variants * (0.05 + world_size * world_size * nbytes / 20e6)
+    # at a pessimistic 20 MB/s that is the longest a healthy run may take. A modeled link adds its time.
+    modeled = sum(link.predict(v, nbytes, world_size) for v in variants) if link is not None else 0.0
+    return 60.0 + calls * (n_variants * (0.05 + world_size * world_size * nbytes / 20e6) + 2 * modeled)
 
 
 def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, reps: int = 5,
         warmup: int = 1, dtype: str = "float32", backend: str = "auto", progress: bool = False,
-        check: bool = True, timeout: float | None = None, one_launch: bool = False, cpu: bool = False) -> Results:
+        check: bool = True, timeout: float | None = None, one_launch: bool = False, cpu: bool = False,
+        network=None, arg_checks: bool = False) -> Results:
     """Time all-reduce variants for every (world size, size) and return the records.
 
     Each (world size, size) is one `course_lib.launch` of `world_size` ranks that times every
@@ -664,6 +715,10 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
             for all of them, as a figure comparing sizes wants); default one launch per size.
         cpu: also record every call's CPU time over all ranks and the machine's idle share
             (`Result.cpu_median`, `Result.idle_share`).
+        network: a `course_lib.Network` (or its string form, e.g. "100 MB/s, 200 us"): every message
+            takes that link's time, and each record carries the link's prediction (`Result.predicted`).
+            'builtin' cannot be timed on it (the model sees only point-to-point messages).
+        arg_checks: time course_lib's cross-rank argument check too, as a learner's call has it.
 
     Returns:
         `Results`, a list of `Result` ordered by world size, size, variant.
@@ -675,11 +730,13 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
         ['naive', 'parameter_server', 'ring', 'builtin']
     """
     sizes = [parse_bytes(s) for s in sizes]
-    variants = _check_variants(variants)
+    link = None if network is None else network_module.Network.parse(network)
+    variants = _check_variants(variants, link)
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     if course_lib.under_torchrun():
-        return _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check, cpu)
+        return _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check, cpu,
+                                   link, arg_checks)
     world_sizes = [2, 4] if world_sizes is None else [int(g) for g in world_sizes]
     if any(g < 2 for g in world_sizes):
         raise ValueError(f"all-reduce needs at least 2 ranks to measure anything; got world_sizes={world_sizes}")
@@ -687,9 +744,11 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
     results, total, done, started = Results(), len(groups) * len(world_sizes), 0, time.perf_counter()
     for world_size in world_sizes:
         for group in groups:
-            limit = timeout or sum(_launch_timeout(n, world_size, len(variants), warmup + reps) for n in group)
+            limit = timeout or sum(_launch_timeout(n, world_size, len(variants), warmup + reps, variants, link)
+                                   for n in group)
             records = course_lib.launch(_measure_on_launched_rank, world_size=world_size, backend=backend,
-                                        args=(group, variants, reps, warmup, dtype, check, cpu), timeout=limit)[0]
+                                        args=(group, variants, reps, warmup, dtype, check, cpu, arg_checks),
+                                        timeout=limit, network=link)[0]
             results.extend(Result(**record) for record in records)
             done += 1
             if progress:
@@ -705,7 +764,7 @@ def _report_progress(done, total, started, rows) -> None:
 
 
 def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backend, progress, check,
-                        cpu=False) -> Results:
+                        cpu=False, link=None, arg_checks=False) -> Results:
     world_size = int(os.environ["WORLD_SIZE"])
     if world_sizes is not None and list(world_sizes) not in ([], [world_size]):
         raise ValueError(f"under torchrun the number of ranks is torchrun's WORLD_SIZE={world_size}; "
@@ -717,15 +776,24 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
+    table = None
     try:
+        if link is not None:
+            launcher = importlib.import_module("course_lib.launch")  # the module: course_lib.launch is the function
+            table = launcher._torchrun_network(link, dist.get_rank(), world_size)
         results, started = Results(), time.perf_counter()
         for done, nbytes in enumerate(sizes, start=1):
-            records = measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu)
+            records = measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu, arg_checks)
             results.extend(Result(**record) for record in records)
             if progress and dist.get_rank() == 0:
                 _report_progress(done, len(sizes), started, results[-len(variants):])
         return results
     finally:
+        if table is not None:
+            network_module.deactivate()
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(os.path.dirname(table), ignore_errors=True)
         if owns_group:
             dist.destroy_process_group()
 
@@ -733,6 +801,11 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
 # --------------------------------------------------------------------------------------------------
 # Command line: python -m course_lib.bench
 # --------------------------------------------------------------------------------------------------
+
+
+def parser_default_variants() -> str:
+    """--variants' default: the plain variants and the built-in (which a modeled network leaves out)."""
+    return ",".join(VARIANTS)
 
 
 def _comma_list(text: str) -> list[str]:
@@ -748,7 +821,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB",
                         help="bytes per rank, comma-separated, e.g. 1KiB,1MiB,16MiB (default %(default)s)")
     parser.add_argument("--world-sizes", default=None, help="numbers of ranks, e.g. 2,4,8 (default 2,4)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=parser_default_variants(),
                         help=f"default %(default)s; 'all' = {','.join(ALL_VARIANTS)}")
     parser.add_argument("--reference", default=None,
                         help="variant to pair every other one with, per repetition (e.g. builtin or ring)")
@@ -763,6 +836,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-check", action="store_true", help="skip comparing results with the built-in all_reduce")
     parser.add_argument("--cpu", action="store_true",
                         help="also record each call's CPU time (all ranks) and the machine's idle share")
+    parser.add_argument("--network", default=None, metavar="LINK",
+                        help="model a link under every message: a preset (1GbE, 10GbE, ib_ndr, nvlink4) or "
+                             "'BANDWIDTH, LATENCY[, TOPOLOGY]', e.g. '100 MB/s, 200 us' or '1 GB/s, 5 us, full'")
+    parser.add_argument("--arg-checks", action="store_true",
+                        help="time course_lib's cross-rank argument check too, as a learner's call has it")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -774,18 +852,21 @@ def main(argv=None) -> int:
         world_sizes = None if args.world_sizes is None else [int(g) for g in _comma_list(args.world_sizes)]
     else:
         world_sizes = None if args.world_sizes is None else [int(g) for g in _comma_list(args.world_sizes)]
-    variants = _check_variants(_comma_list(args.variants))
+    link = None if args.network is None else network_module.Network.parse(args.network)
+    if link is not None and args.variants == parser_default_variants():
+        args.variants = ",".join(v for v in VARIANTS if v != "builtin")
+    variants = _check_variants(_comma_list(args.variants), link)
     if args.reference is not None and args.reference not in variants:
         raise SystemExit(f"--reference {args.reference} is not among the variants timed ({','.join(variants)})")
     load_before = machine_description()["loadavg"]
     results = run(sizes, world_sizes, variants, reps=args.reps, warmup=args.warmup,
                   dtype=args.dtype, backend=args.backend, progress=not args.quiet, check=not args.no_check,
-                  cpu=args.cpu)
+                  cpu=args.cpu, network=link, arg_checks=args.arg_checks)
     if course_lib.under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # every rank has the same records; rank 0 reports them
     print(results.table(args.reference))
     meta = {"command": "python -m course_lib.bench " + shlex.join(sys.argv[1:] if argv is None else list(argv)),
-            "reps": args.reps, "warmup": args.warmup, "reference": args.reference,
+            "reps": args.reps, "warmup": args.warmup, "reference": args.reference, "network": args.network,
             "loadavg_before": load_before, "loadavg_after": machine_description()["loadavg"]}
     if args.json:
         results.to_json(args.json, meta=meta)

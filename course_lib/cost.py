@@ -20,6 +20,8 @@ folds it into beta (see `fit` for why).
                                                                           behind receiving)
     ring_bidirectional  2(G-1)            (G-1)/G              (G-1)/G    fast_allreduce: half the bytes on each of
                                                                           a rank's two links, if they are independent
+    recursive_doubling  log2 P + 2f       log2 P + 2f          log2 P+f   swap the whole tensor with partners 2^j
+                                                                          apart; folds like halving_doubling
     tree                2 L               2 L                  L          binomial tree: reduce up, broadcast down,
                                                                           the whole tensor at every level
     halving_doubling    2 log2 P + 2f     2(P-1)/P + 2f        (P-1)/P+f  Rabenseifner; P = largest power of two
@@ -93,6 +95,9 @@ MODELS = {
                             lambda g: (g - 1) / g, "2(G-1) alpha + 2(G-1)/G n beta"),
     "ring_bidirectional": Model("ring_bidirectional", lambda g: 2 * (g - 1), lambda g: (g - 1) / g,
                                 lambda g: (g - 1) / g, "2(G-1) alpha + (G-1)/G n beta"),
+    "recursive_doubling": Model("recursive_doubling", lambda g: _log2_down(g) + 2 * _folds(g),
+                                lambda g: _log2_down(g) + 2 * _folds(g), lambda g: _log2_down(g) + _folds(g),
+                                "log2(P) alpha + log2(P) n beta (P = largest power of two <= G; +2 alpha + 2 n beta when G != P)"),
     "tree": Model("tree", lambda g: 2 * _log2_up(g), lambda g: 2 * _log2_up(g), lambda g: _log2_up(g),
                   "2 log2(G) alpha + 2 log2(G) n beta"),
     "halving_doubling": Model("halving_doubling", lambda g: 2 * _log2_down(g) + 2 * _folds(g), _hd_traffic,

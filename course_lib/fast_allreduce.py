@@ -1,4 +1,4 @@
-"""Four faster all-reduces, written from the same point-to-point messages as `course_lib.allreduce`.
+"""Five faster all-reduces, written from the same point-to-point messages as `course_lib.allreduce`.
 
 The plain ring in `course_lib.allreduce` is the one to read first. Each variant here changes one
 thing about it, and each has the same contract: `fn(tensor, op)` leaves op(x_0, ..., x_{G-1}) in
@@ -10,6 +10,7 @@ thing about it, and each has the same contract: `fn(tensor, op)` leaves op(x_0, 
                          overlaps receiving segment i+1
     ring_bidirectional   half of every chunk goes round each way        2(G-1)           2(G-1) N/G  (half on each link)
     halving_doubling     exchange with partners 2^j apart (Rabenseifner) 2 log2 P (+2)    2(P-1) N/P  (+N, see below)
+    recursive_doubling   swap the whole tensor with partners 2^j apart  log2 P (+2)      N log2 P    (+N, see below)
     tree                 binomial reduce to rank 0, binomial broadcast  2 ceil(log2 G)   up to ceil(log2 G) N (rank 0)
 
 (N elements per rank, G ranks, P the largest power of two <= G; every count is exact when N is
@@ -38,7 +39,7 @@ from course_lib import _checks, ops, p2p, traffic
 from course_lib._util import flat_view as _flat
 from course_lib.allreduce import chunk_sizes  # sizes of torch.tensor_split's parts
 
-__all__ = ["ring_pipelined", "ring_bidirectional", "halving_doubling", "tree", "SEGMENT_BYTES",
+__all__ = ["ring_pipelined", "ring_bidirectional", "halving_doubling", "recursive_doubling", "tree", "SEGMENT_BYTES",
            "segments_per_chunk", "expected_traffic", "expected_steps", "VARIANTS"]
 
 
@@ -393,36 +394,51 @@ def halving_doubling(tensor: torch.Tensor, op=ops.SUM) -> None:
         op: SUM, AVG, PRODUCT, MAX or MIN.
     """
     op = _checks.prepare("allreduce.halving_doubling", tensor, op=op)
+    with _flat(tensor) as flat:
+        _folded(flat, op, _halving_doubling_core)
+
+
+def _folded(flat, op, core) -> None:
+    """Run `core(flat, op, virtual, p, extra, world_size)` on the largest power of two P <= G ranks.
+
+    When G is not a power of two, the first 2E ranks (E = G - P) pair up: in phase 'fold' the even one
+    of a pair sends its whole tensor to the odd one, which combines it and takes part; in phase 'unfold'
+    it sends the result back. Used by halving_doubling and recursive_doubling.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     p = _power_of_two_below(world_size)
     extra = world_size - p
     folds = rank < 2 * extra            # this rank is in one of the pairs (0,1), (2,3), ...
     sits_out = folds and rank % 2 == 0  # the even one of a pair hands its tensor over
-    with _flat(tensor) as flat:
-        if extra:
-            with traffic.phase("fold"):
-                for _ in traffic.steps(1):
-                    if sits_out:
-                        p2p.send(flat, rank + 1)
-                    elif folds:
-                        incoming = _scratch(flat, flat.numel())
-                        p2p.recv(incoming, rank - 1)
-                        ops.combine_(flat, incoming, op)
-        if not sits_out:
-            virtual = rank // 2 if folds else rank - extra
-            _halving_doubling_core(flat, op, virtual, p, extra, world_size)
-        if extra:
-            with traffic.phase("unfold"):
-                for _ in traffic.steps(1):
-                    if sits_out:
-                        p2p.recv(flat, rank + 1)
-                    elif folds:
-                        p2p.send(flat, rank - 1)
+    if extra:
+        with traffic.phase("fold"):
+            for _ in traffic.steps(1):
+                if sits_out:
+                    p2p.send(flat, rank + 1)
+                elif folds:
+                    incoming = _scratch(flat, flat.numel())
+                    p2p.recv(incoming, rank - 1)
+                    ops.combine_(flat, incoming, op)
+    if not sits_out:
+        virtual = rank // 2 if folds else rank - extra
+        core(flat, op, virtual, p, extra, world_size)
+    if extra:
+        with traffic.phase("unfold"):
+            for _ in traffic.steps(1):
+                if sits_out:
+                    p2p.recv(flat, rank + 1)
+                elif folds:
+                    p2p.send(flat, rank - 1)
+
+
+def _real_rank(virtual: int, extra: int) -> int:
+    """Virtual rank v of the P ranks that take part -> the real rank (see _folded)."""
+    return 2 * virtual + 1 if virtual < extra else virtual + extra
 
 
 def _halving_doubling_core(flat, op, virtual, p, extra, world_size):
     """The power-of-two algorithm among the P ranks that take part (virtual ranks 0..P-1)."""
-    real = lambda v: 2 * v + 1 if v < extra else v + extra  # noqa: E731  virtual rank -> real rank
+    real = lambda v: _real_rank(v, extra)  # noqa: E731
     halvings = _hd_halvings(virtual, p, flat.numel())
     scratch = _scratch(flat, max([keep[1] - keep[0] for _, keep, _ in halvings], default=0))
     with traffic.phase("reduce_scatter"):
@@ -447,7 +463,57 @@ def _halving_doubling_core(flat, op, virtual, p, extra, world_size):
 
 
 # ==================================================================================================
-# 4. tree: binomial-tree reduce to rank 0, then binomial-tree broadcast
+# 4. recursive_doubling: every step, swap the whole partial result with the rank 2^j away
+# ==================================================================================================
+#
+# Step j = 0 .. log2 P - 1: virtual rank v sends its whole tensor to v XOR 2^j, receives the partner's,
+# and combines the two. After step j every rank holds the sum over its block of 2^(j+1) ranks; after
+# log2 P steps, over all of them. Non-powers of two fold first, as halving_doubling does (_folded).
+#
+# G = 4, x_r = rank r's tensor:
+#
+#   step 0     0 <-> 1, 2 <-> 3     rank 0 holds x0+x1, rank 2 holds x2+x3
+#   step 1     0 <-> 2, 1 <-> 3     every rank holds (x0+x1)+(x2+x3)
+#
+# The fewest steps of any all-reduce, log2 P (the latency lower bound ceil(log2 G) when G is a power of
+# two), but every step moves the whole tensor: log2 P times N per rank, against the ring's 2(G-1)/G N.
+# The choice for the smallest tensors, and the worst for large ones. Every rank combines the same two
+# partial results at every step (a + b and b + a are the same floating-point number), so the result is
+# bit-identical on every rank.
+#
+#     elements sent by rank r = N log2 P (+ N for a rank with a fold partner); a folded rank sends N.
+
+
+def recursive_doubling(tensor: torch.Tensor, op=ops.SUM) -> None:
+    """All-reduce in log2 P steps: at step j, swap the whole partial result with the rank 2^j away.
+
+    Steps log2 P (P = the largest power of two <= G), plus 2 when G is not a power of two (fold,
+    unfold). Elements sent per rank N log2 P (+ N for ranks that fold).
+
+    Args:
+        tensor: this rank's input; overwritten with the result.
+        op: SUM, AVG, PRODUCT, MAX or MIN.
+    """
+    op = _checks.prepare("allreduce.recursive_doubling", tensor, op=op)
+    with _flat(tensor) as flat:
+        _folded(flat, op, _recursive_doubling_core)
+
+
+def _recursive_doubling_core(flat, op, virtual, p, extra, world_size):
+    incoming = _scratch(flat, flat.numel())
+    with traffic.phase("exchange"):
+        for step in traffic.steps(p.bit_length() - 1):
+            partner = _real_rank(virtual ^ (1 << step), extra)
+            receive = p2p.irecv(incoming, partner)
+            send = p2p.isend(flat, partner)
+            receive.wait()
+            send.wait()  # flat is still being sent until then: combine only afterwards
+            ops.combine_(flat, incoming, op)
+    ops.finish_(flat, op, world_size)  # AVG divides by G (folded ranks count too)
+
+
+# ==================================================================================================
+# 5. tree: binomial-tree reduce to rank 0, then binomial-tree broadcast
 # ==================================================================================================
 #
 # Reduce, step j = 0 .. L-1 (L = ceil(log2 G)): every rank whose lowest set bit is 2^j sends its
@@ -513,7 +579,7 @@ def tree(tensor: torch.Tensor, op=ops.SUM) -> None:
 
 
 VARIANTS = {"ring_pipelined": ring_pipelined, "ring_bidirectional": ring_bidirectional,
-            "halving_doubling": halving_doubling, "tree": tree}
+            "halving_doubling": halving_doubling, "recursive_doubling": recursive_doubling, "tree": tree}
 
 
 # ==================================================================================================
@@ -525,7 +591,8 @@ def expected_steps(variant: str, world_size: int) -> dict:
     """{phase: steps} of a variant on G ranks, counted over all ranks (see `traffic.step_counts`).
 
     ring_pipelined, ring_bidirectional: G-1 per phase. halving_doubling: log2 P per phase, and one
-    'fold' and one 'unfold' step when G is not a power of two. tree: ceil(log2 G) per phase.
+    'fold' and one 'unfold' step when G is not a power of two. recursive_doubling: log2 P in 'exchange',
+    and 'fold' / 'unfold' the same way. tree: ceil(log2 G) per phase.
     Phases without steps (world size 1) are left out.
     """
     g = world_size
@@ -534,6 +601,10 @@ def expected_steps(variant: str, world_size: int) -> dict:
     elif variant == "halving_doubling":
         m = _power_of_two_below(g).bit_length() - 1
         counts = {"reduce_scatter": m, "all_gather": m}
+        if g != _power_of_two_below(g):
+            counts.update(fold=1, unfold=1)
+    elif variant == "recursive_doubling":
+        counts = {"exchange": _power_of_two_below(g).bit_length() - 1}
         if g != _power_of_two_below(g):
             counts.update(fold=1, unfold=1)
     elif variant == "tree":
@@ -554,6 +625,7 @@ def expected_traffic(variant: str, numel: int, world_size: int, rank: int, eleme
         ring_bidirectional   the same, counted on each half-chunk ring (clockwise and anticlockwise)
         halving_doubling     sent = (N - b_v) + sum of the halves kept  (= 2 (P-1) N/P when P | N),
                              + N for a rank with a fold partner; a folded rank sends N
+        recursive_doubling   sent = N log2 P, + N for a rank with a fold partner; a folded rank sends N
         tree                 sent = N (children(r) + [r > 0])
 
     Returns:
@@ -591,6 +663,15 @@ def expected_traffic(variant: str, numel: int, world_size: int, rank: int, eleme
         partnered = r < 2 * extra  # the odd rank of a fold pair: N in, N back out, one message each
         return dict(elements_sent=given + kept + n * partnered, elements_received=kept + given + n * partnered,
                     messages_sent=2 * steps + partnered, messages_received=2 * steps + partnered)
+    if variant == "recursive_doubling":
+        p = _power_of_two_below(g)
+        extra = g - p
+        if r < 2 * extra and r % 2 == 0:  # folded: hands over N, gets N back
+            return dict(elements_sent=n, elements_received=n, messages_sent=1, messages_received=1)
+        steps = p.bit_length() - 1
+        partnered = r < 2 * extra
+        return dict(elements_sent=n * (steps + partnered), elements_received=n * (steps + partnered),
+                    messages_sent=steps + partnered, messages_received=steps + partnered)
     if variant == "tree":
         up = 1 if r > 0 else 0
         children = len(_children(r, g))

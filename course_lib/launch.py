@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _rankstate, _work
+from course_lib import network as _network
 from course_lib.live import LaunchStatus
 
 DEFAULT_TIMEOUT = 20.0
@@ -282,6 +283,10 @@ class _RankFiles:
         return self.path("status")
 
     @property
+    def network(self):
+        return os.path.join(self.workdir, "network")  # the modeled network's shared table (one per launch)
+
+    @property
     def stack(self):
         return self.path("stack")
 
@@ -337,7 +342,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
+def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, network=None):
     """Entry point of every launched rank (runs in the child process)."""
     files = _RankFiles(workdir, rank)
     _die_with_parent()
@@ -366,6 +371,8 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_GRACE),
         )
+        if network is not None:
+            _network.activate(network, files.network, rank, world_size)
         result = fn(rank, world_size, *args, **kwargs)
         _work.finish()  # async collectives still running would race the result (and the barrier below)
         _rankstate.set_blocked(_FINISHED)
@@ -445,6 +452,7 @@ def launch(
     timeout: float = DEFAULT_TIMEOUT,
     prefix_output: bool = True,
     start_method: str | None = None,
+    network: "_network.Network | str | None" = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` local ranks and return their results.
 
@@ -464,6 +472,9 @@ def launch(
         start_method: "fork" or "spawn"; None picks fork on Linux (fast, carries notebook functions)
             unless this process has touched the GPU (CUDA initialised, or autograd's GPU threads started
             by a backward()), else spawn (the function travels by cloudpickle) and says so once.
+        network: a `course_lib.Network` (or a preset's name, or "100 MB/s, 200 us"): every
+            point-to-point message of `fn` then takes the time that link would take (see
+            `course_lib.network`). None: messages take what this machine's loopback takes.
 
     Returns:
         A list of the ranks' return values, index = rank. CUDA tensors come back as CPU tensors.
@@ -495,6 +506,7 @@ def launch(
         return run_torchrun(fn, args=args, kwargs=kwargs, backend=backend, timeout=timeout)
 
     backend = resolve_backend(backend, world_size)
+    network = None if network is None else _network.Network.parse(network)
     if start_method not in (None, "fork", "spawn"):
         raise ValueError(f"start_method must be None, 'fork' or 'spawn', not {start_method!r}")
     method = start_method or _start_method()
@@ -505,6 +517,8 @@ def launch(
     try:
         for rank in range(world_size):
             _rankstate.create_slot_file(_RankFiles(workdir, rank).status)
+        if network is not None:
+            _network.create_table(_RankFiles(workdir, 0).network, world_size)
         context = __import__("multiprocessing").get_context(method)
         with warnings.catch_warnings():
             # Python 3.12+ warns when forking a multi-threaded process (a Jupyter kernel is one).
@@ -513,7 +527,7 @@ def launch(
             for rank in range(world_size):
                 process = context.Process(
                     target=_rank_main,
-                    args=(rank, world_size, workdir, payload, backend, float(timeout), threads),
+                    args=(rank, world_size, workdir, payload, backend, float(timeout), threads, network),
                     name=f"course_lib-rank-{rank}",
                 )
                 process.start()
@@ -524,6 +538,8 @@ def launch(
                 _wait_for_spawned_ranks(processes, workdir)
             outcome = _supervise(processes, workdir, timeout)
         _relay_output(workdir, world_size, prefix_output)
+        if network is not None:
+            _report_network(_network.record_launch(network, _RankFiles(workdir, 0).network, world_size))
         if isinstance(outcome, LaunchError):
             raise outcome
         if all(value is None for value in outcome):
@@ -534,6 +550,13 @@ def launch(
         for process in processes:
             process.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _report_network(stats) -> None:
+    """Say, once per network, when the machine could not keep up with the modeled link."""
+    text = stats.notice()
+    if text is not None and _network.reports_late():
+        _notice_once(f"network-late:{stats.network!r}", text)
 
 
 def _intra_op_threads(method: str, world_size: int) -> int:
@@ -860,7 +883,7 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEOUT * 3):
+def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEOUT * 3, network=None):
     """Run this process's rank of ``fn(rank, world_size, *args, **kwargs)`` under torchrun.
 
     torchrun has already started one process per rank and set RANK, WORLD_SIZE, LOCAL_RANK and the
@@ -871,6 +894,9 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
     Example (examples/ring_allreduce_torchrun.py)::
 
         torchrun --nproc-per-node 4 examples/ring_allreduce_torchrun.py
+
+    `network` models a link under every point-to-point message, as in `launch`; the ranks must then all
+    run on one machine (they share its clock and a table of message start times).
     """
     kwargs = {} if kwargs is None else kwargs
     if not under_torchrun():
@@ -883,12 +909,38 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    table = None
     try:
+        if network is not None:
+            table = _torchrun_network(_network.Network.parse(network), rank, world_size)
         result = fn(rank, world_size, *args, **kwargs)
         _work.finish()
         everyone = [None] * world_size
         dist.all_gather_object(everyone, result)
         return everyone
     finally:
+        if table is not None:
+            _network.deactivate()
+            if rank == 0:
+                shutil.rmtree(os.path.dirname(table), ignore_errors=True)
         if owns_group:
             dist.destroy_process_group()
+
+
+def _torchrun_network(network, rank: int, world_size: int) -> str:
+    """Rank 0 makes the network's shared table and tells the others where it is; all start modeling."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local != world_size:
+        raise ValueError(
+            f"a modeled network needs every rank on one machine (they share its clock), but torchrun runs "
+            f"{local} of the {world_size} ranks here. Use --nnodes 1, or run without network=.")
+    store = dist.distributed_c10d._get_default_store()
+    key = "course_lib/network_table"
+    if rank == 0:
+        path = os.path.join(tempfile.mkdtemp(prefix="course_lib-network-"), "network")
+        _network.create_table(path, world_size)
+        store.set(key, path)
+    path = store.get(key).decode()
+    _network.activate(network, path, rank, world_size)
+    dist.barrier()  # every rank is modeling before anyone sends
+    return path

@@ -173,6 +173,9 @@ def test_fast_variant_models_count_what_the_algorithms_do():
         assert cost.predict("halving_doubling", g, 1, alpha=0, beta=1) == \
             pytest.approx(2 * (p - 1) / p + (2 if p != g else 0))
         assert cost.predict("tree", g, 1, alpha=0, beta=1) == pytest.approx(2 * busiest("tree") if g > 1 else 0)
+        # recursive doubling: the whole tensor at every step, sent and received, N more around the fold
+        assert cost.predict("recursive_doubling", g, 1, alpha=0, beta=1) == \
+            pytest.approx(busiest("recursive_doubling") + (1 if p != g else 0))
 
 
 def test_crossover_of_two_fitted_models():

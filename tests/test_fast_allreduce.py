@@ -1,7 +1,7 @@
 """course_lib.fast_allreduce against torch.distributed.all_reduce (gloo), and its traces against its formulas.
 
 One launch per world size 1..6 runs every variant (ring_pipelined, also with segments of a few
-elements so that chunks really are cut; ring_bidirectional; halving_doubling; tree) over float32,
+elements so that chunks really are cut; ring_bidirectional; halving_doubling; recursive_doubling; tree) over float32,
 float64 and int64 with SUM, MAX and MIN (and a few AVG / PRODUCT cases), lengths 1, G-1, G+1 and
 primes, 2-D and non-contiguous tensors, with random inputs that differ per rank and position.
 Every case is also recorded with course_lib.traffic: each rank's elements and messages must equal
@@ -20,7 +20,7 @@ from conftest import (TORCH_OPS, assert_no_failures, assert_same_on_every_rank, 
                       make_input, mismatch, run, strided, tolerance)
 from course_lib import allreduce, fast_allreduce, traffic
 
-NAMES = ("ring_pipelined", "ring_bidirectional", "halving_doubling", "tree")
+NAMES = ("ring_pipelined", "ring_bidirectional", "halving_doubling", "recursive_doubling", "tree")
 TINY_SEGMENT = 12  # bytes: 3 float32 / 1-2 wider elements a segment, so chunks are cut into several
 
 
@@ -143,6 +143,9 @@ def test_closed_forms_hold_when_the_tensor_divides_evenly():
             else:
                 assert hd == 2 * (p - 1) * n // p + (n if r < 2 * extra else 0)
         assert fast_allreduce.expected_traffic("tree", n, g, 0)["elements_sent"] == (g - 1).bit_length() * n
+        rd = [fast_allreduce.expected_traffic("recursive_doubling", n, g, r)["elements_sent"] for r in range(g)]
+        steps = p.bit_length() - 1
+        assert rd == [n if (r < 2 * extra and r % 2 == 0) else n * (steps + (r < 2 * extra)) for r in range(g)]
         # The formulas agree with themselves: every element sent is received by someone, for any length
         # (the recorded traffic is checked pair by pair in the launched test above).
         for name in NAMES:
@@ -183,6 +186,8 @@ def test_step_formulas():
     assert fast_allreduce.expected_steps("halving_doubling", 6) == \
         {"reduce_scatter": 2, "all_gather": 2, "fold": 1, "unfold": 1}
     assert fast_allreduce.expected_steps("ring_pipelined", 4) == {"scatter_reduce": 3, "all_gather": 3}
+    assert fast_allreduce.expected_steps("recursive_doubling", 8) == {"exchange": 3}
+    assert fast_allreduce.expected_steps("recursive_doubling", 5) == {"exchange": 2, "fold": 1, "unfold": 1}
     assert fast_allreduce.expected_steps("tree", 1) == {}
     with pytest.raises(ValueError, match="no step formula"):
         fast_allreduce.expected_steps("gossip", 4)

@@ -430,13 +430,16 @@ def test_functions_defined_in_a_notebook_can_be_launched(tmp_path):
     assert text == "[rank 0] rank 0 done\n[rank 1] rank 1 done\n[rank 2] rank 2 done\n[0.0, 3.0]\n"
 
 
-def test_the_torchrun_example_runs_under_torchrun():
+def test_the_torchrun_example_runs_under_torchrun_on_a_modeled_network():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               str(ROOT / "examples" / "ring_allreduce_torchrun.py")]
+               str(ROOT / "examples" / "ring_allreduce_torchrun.py"), "--network", "50 MB/s, 5 ms"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ring all-reduce on 4 ranks matches torch.distributed.all_reduce" in run.stdout
     assert run.stdout.count("sent 6 messages") == 4  # 2 (G - 1) chunks from every rank
+    # 6 steps of 5 ms + 1 MB / 50 MB/s: about 150 ms, which loopback alone would never take
+    ratio = float(run.stdout.rsplit("(x", 1)[1].split(")")[0])
+    assert 0.95 <= ratio <= 1.5, run.stdout
 
 
 def test_launch_inside_torchrun_with_a_different_world_size_is_explained(monkeypatch):

@@ -44,7 +44,7 @@ from course_lib.training.buckets import MIB, BucketTiming, GradientBuckets, Step
 from course_lib.training.toy import progress_bar
 
 __all__ = ["TrainingLog", "flat_parameters", "flat_gradient", "set_flat_gradient", "broadcast_parameters",
-           "average_gradients", "apply_reduced_gradient",
+           "broadcast_buffers", "batch_norm_note", "average_gradients", "apply_reduced_gradient", "HookBucket",
            "train_data_parallel", "train_single_process", "take_batch"]
 
 
@@ -150,6 +150,40 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
         offset += t.numel()
 
 
+def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
+    """DDP's rule for buffers: copy rank `src`'s buffers into every rank's model before each forward.
+
+    Buffers (BatchNorm's running mean and variance, its batch counter ...) are not trained, so no
+    gradient averages them: left alone, each rank's would drift with its own batches.
+    `torch.nn.parallel.DistributedDataParallel` broadcasts them from rank 0 at the start of every
+    forward (``broadcast_buffers=True``, its default); `train_data_parallel` does the same, in every
+    ZeRO stage too. One `collectives.broadcast` per dtype (floats and the int64 counters travel apart).
+    """
+    by_dtype: dict = {}
+    for buffer in model.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        collectives.broadcast(flat, src=src)
+        offset = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
+def batch_norm_note(model: nn.Module, batch_size: int, world_size: int) -> str | None:
+    """The one line a model with batch normalisation gets when it trains on several ranks (None otherwise)."""
+    layers = [type(m).__name__ for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+    if not layers or world_size < 2:
+        return None
+    return (f"note: {layers[0]} normalises with each rank's own batch statistics ({batch_size} samples, not the "
+            f"global batch's {world_size * batch_size}), so training differs from one process; its running "
+            "statistics are rank 0's, broadcast before every forward as DDP does. nn.SyncBatchNorm would compute "
+            "them over the global batch (an all-reduce per layer in every forward; GPU only in PyTorch).")
+
+
 def average_gradients(model: nn.Module, count: int, loss_sum: float, allreduce: str | Callable = "ring"):
     """Step 3: replace every rank's local gradient by the gradient of the global batch.
 
@@ -253,18 +287,61 @@ def _check_model(model):
 # --------------------------------------------------------------------------------------------------
 
 
+class HookBucket:
+    """What a DDP communication hook is handed, built by `train_data_parallel(comm_hook=...)`.
+
+    The same methods as `torch.distributed.GradBucket`: ``buffer()`` (every gradient in one flat
+    tensor), ``gradients()`` (each parameter's gradient, a view into the buffer), ``parameters()``,
+    ``index()`` and ``is_last()``, so one hook runs under DDP and in the hand-made trainer alike.
+    The hand-made trainer hands all gradients over as one bucket (index 0, the last of its step), in
+    the order DDP's bucket holds them after its first step: the model's last parameter first.
+    """
+
+    def __init__(self, buffer: torch.Tensor, params: list):
+        self._buffer, self._params = buffer, list(params)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def parameters(self) -> list:
+        return self._params
+
+    def gradients(self) -> list:
+        views, offset = [], 0
+        for p in self._params:
+            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
 def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, loss_fn: Callable, *,
                         batch_size: int, epochs: int = 1, start_epoch: int = 0, max_steps: int | None = None,
                         shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True,
                         allreduce: str | Callable = "ring", bucket_mb: float | None = None, overlap: bool = False,
+                        comm_hook: Callable | None = None, comm_hook_state=None,
                         record_parameters: bool = False, progress: bool = False) -> TrainingLog:
     """Train `model` data-parallel on this rank; call it on every rank of a launched group.
+
+    Before every forward, rank 0's buffers (BatchNorm's running statistics ...) are broadcast to
+    every rank, as DDP does (`broadcast_buffers`); a model with batch normalisation gets one line
+    saying what that does and does not make equal (`batch_norm_note`).
 
     Args:
         model: this rank's replica (any nn.Module). Rank 0's parameters are broadcast first.
         optimizer: an optimizer over ``model.parameters()``, created the same way on every rank; or a
             `course_lib.training.zero.ShardedOptimizer`, which reduce-scatters the gradients, steps its
-            shard and all-gathers the parameters itself (ZeRO-1).
+            shard and all-gathers the parameters itself (ZeRO-1); or a
+            `course_lib.training.zero_sharded.ShardedDataParallel` wrapping `model` (stages 0-3, layer
+            by layer, its collectives run from hooks during forward and backward).
         dataset: (inputs, targets) tensors or a dataset of (input, target) pairs, the same on every rank.
         loss_fn: ``loss_fn(model(inputs), targets)`` -> mean loss over the batch.
         batch_size: samples per rank per step (the global batch is world_size times larger).
@@ -278,11 +355,17 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
             with ``overlap=True``); ``math.inf``: one bucket.
         overlap: start each bucket's all-reduce during backward, as soon as its gradients are ready,
             on a communication thread (see `course_lib.training.buckets`). False: after backward.
+        comm_hook, comm_hook_state: a DDP communication hook ``hook(state, bucket) -> Future`` (e.g.
+            from `course_lib.training.compression`) to average the gradients instead of `allreduce`:
+            it gets every gradient as one `HookBucket`, scaled so that its average over the ranks is
+            the global batch's gradient (each rank's times count_r G / total). The loss sum and
+            sample count go first, in an all-reduce of two numbers.
         record_parameters: keep a flat copy of the parameters after every step (for checks and plots).
         progress: rank 0 prints a progress line after every epoch.
 
     Returns:
-        A `TrainingLog`; ``log.timeline`` holds every step's timings and its buckets' all-reduces.
+        A `TrainingLog`; ``log.timeline`` holds every step's timings and its buckets' all-reduces;
+        ``log.bytes_sent`` what this rank sent in its steps (parameter recording left out).
 
     Example::
 
@@ -293,47 +376,79 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
     """
     _check_model(model)
     sharded = callable(getattr(optimizer, "reduce_gradients", None))   # a zero.ShardedOptimizer
-    bucket_bytes = _bucket_bytes(bucket_mb, overlap, sharded)
+    layered = getattr(optimizer, "layered", False) is True             # a zero_sharded.ShardedDataParallel
+    hook = _check_hook(comm_hook, comm_hook_state, bucket_mb, overlap, sharded or layered)
+    if layered and getattr(optimizer, "model", None) is not model:
+        raise ValueError("this ShardedDataParallel wraps another model: pass the model you gave it, "
+                         "train_data_parallel(model, ShardedDataParallel(model, ...), ...).")
+    bucket_bytes = _bucket_bytes(bucket_mb, overlap, sharded or layered)
     reduce_in_place = _allreduce_function(allreduce)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     n = _dataset_len(dataset)
     device = next(model.parameters()).device
     log = TrainingLog(rank=rank, world_size=world_size)
-    broadcast_parameters(model)                                                      # step 0
+    note = batch_norm_note(model, batch_size, world_size)
+    if note and rank == 0:
+        print(note, flush=True)
+    if not layered:
+        broadcast_parameters(model)                                                  # step 0 (layered: done)
+    has_buffers = any(True for _ in model.buffers())
     if record_parameters:
-        log.parameters.append(flat_parameters(model))
+        log.parameters.append(_parameters_now(model, optimizer, layered))
     steps = sharding.steps_per_epoch(n, world_size, batch_size, drop_last=drop_last, pad=pad)
     buckets = None
     if bucket_bytes is not None:
         name = allreduce if isinstance(allreduce, str) else getattr(allreduce, "__qualname__", "function")
         buckets = GradientBuckets(list(model.parameters()), bucket_bytes, reduce_in_place, overlap=overlap, name=name)
+    step_fn = (_layered_step if layered else _hook_step if hook is not None else _one_step)
     try:
-        with traffic.record() as recording:
-            for epoch in range(start_epoch, start_epoch + epochs):
-                mine = sharding.shard_indices(n, rank, world_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                              drop_last=drop_last, pad=pad)                # step 1
-                batches = sharding.split_batches(mine, batch_size)
-                for step in range(steps):
-                    if max_steps is not None and len(log.losses) >= max_steps:
-                        break
-                    # With pad=False a rank can run out of samples one step before the others: it
-                    # still joins the all-reduce, contributing zero samples and a zero gradient.
-                    batch = batches[step] if step < len(batches) else []
-                    data = take_batch(dataset, batch, device) if batch else None
-                    total, global_loss, timeline = _one_step(model, optimizer, loss_fn, data, len(batch), buckets,
-                                                             reduce_in_place, sharded)
-                    timeline.step = len(log.timeline)
-                    log.timeline.append(timeline)
-                    log.record_step(global_loss, total, len(batch), model if record_parameters else None)
-                log.end_epoch(epoch, epoch - start_epoch + 1, epochs, show_progress=progress and rank == 0)
+        for epoch in range(start_epoch, start_epoch + epochs):
+            mine = sharding.shard_indices(n, rank, world_size, shuffle=shuffle, seed=seed, epoch=epoch,
+                                          drop_last=drop_last, pad=pad)                    # step 1
+            batches = sharding.split_batches(mine, batch_size)
+            for step in range(steps):
+                if max_steps is not None and len(log.losses) >= max_steps:
+                    break
+                # With pad=False a rank can run out of samples one step before the others: it
+                # still joins the all-reduce, contributing zero samples and a zero gradient.
+                batch = batches[step] if step < len(batches) else []
+                data = take_batch(dataset, batch, device) if batch else None
+                with traffic.record() as recording:
+                    if has_buffers:
+                        broadcast_buffers(model)                                         # DDP's rule
+                    total, global_loss, timeline = step_fn(model, optimizer, loss_fn, data, len(batch), buckets,
+                                                           reduce_in_place, sharded, hook)
+                log.bytes_sent += recording.bytes_sent
+                timeline.step = len(log.timeline)
+                log.timeline.append(timeline)
+                log.record_step(global_loss, total, len(batch))
+                if record_parameters:
+                    log.parameters.append(_parameters_now(model, optimizer, layered))
+            log.end_epoch(epoch, epoch - start_epoch + 1, epochs, show_progress=progress and rank == 0)
     finally:
         if buckets is not None:
             buckets.close()   # hooks off, communication thread stopped, even when a step failed
-    log.bytes_sent = recording.bytes_sent
     return log
 
 
-def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded):
+def _parameters_now(model, optimizer, layered) -> torch.Tensor:
+    """A flat CPU copy of the parameters (ZeRO-3 all-gathers them: every rank calls this together)."""
+    return optimizer.full_parameters() if layered else flat_parameters(model)
+
+
+def _check_hook(comm_hook, comm_hook_state, bucket_mb, overlap, sharded):
+    if comm_hook is None:
+        return None
+    if not callable(comm_hook):
+        raise TypeError(f"comm_hook must be a DDP communication hook, a function hook(state, bucket) -> Future; "
+                        f"got {type(comm_hook).__name__}")
+    if sharded or overlap or bucket_mb is not None:
+        raise ValueError("comm_hook replaces the one all-reduce after backward: it does not combine with bucket_mb, "
+                         "overlap=True or a sharded optimizer; leave those out.")
+    return comm_hook_state, comm_hook
+
+
+def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded, hook=None):
     """Steps 2 to 4 on this rank, timed: forward, backward (+ buckets), gradient average, update."""
     t_start = time.perf_counter()
     optimizer.zero_grad()
@@ -355,13 +470,7 @@ def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, 
                 total, global_loss = optimizer.reduce_gradients(count, loss_sum)
             else:
                 total, global_loss = average_gradients(model, count, loss_sum, reduce_in_place)
-        numel = sum(p.numel() for p in model.parameters()) + 2
-        element = next(model.parameters()).element_size()
-        after = t_backward_end - t_backward
-        bucket_timings = [BucketTiming(0, numel, numel * element, ready=after, start=after,
-                                       end=time.perf_counter() - t_backward, bytes_sent=recording.bytes_sent,
-                                       bytes_received=recording.bytes_received,
-                                       messages_sent=recording.messages_sent)]
+        bucket_timings = [_after_backward_timing(model, t_backward, t_backward_end, recording)]
     t_reduced = time.perf_counter()
     optimizer.step()                                                                      # step 4
     t_end = time.perf_counter()
@@ -372,13 +481,89 @@ def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, 
     return total, global_loss, timeline
 
 
+def _after_backward_timing(model, t_backward, t_backward_end, recording, numel=None):
+    """The one 'bucket' of a step that averages every gradient after backward."""
+    numel = sum(p.numel() for p in model.parameters()) + 2 if numel is None else numel
+    element = next(model.parameters()).element_size()
+    after = t_backward_end - t_backward
+    return BucketTiming(0, numel, numel * element, ready=after, start=after, end=time.perf_counter() - t_backward,
+                        bytes_sent=recording.bytes_sent, bytes_received=recording.bytes_received,
+                        messages_sent=recording.messages_sent)
+
+
+def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded, hook):
+    """Steps 2 to 4 with a DDP communication hook averaging the gradients (see `train_data_parallel`)."""
+    state, hook_fn = hook
+    t_start = time.perf_counter()
+    optimizer.zero_grad()
+    loss, loss_sum = None, 0.0
+    if data is not None:
+        loss = _local_loss(model, loss_fn, *data)
+        loss_sum = loss.item() * count
+    t_backward = time.perf_counter()
+    if loss is not None:
+        loss.backward()
+    t_backward_end = time.perf_counter()
+    # One bucket laid out as DDP's is after its first step: last parameter first.
+    params = list(model.parameters())[::-1]
+    gradient = flat_gradient(params)
+    stats = gradient.new_tensor([loss_sum, count])
+    reduce_in_place(stats, "sum")                     # the loss sum and sample count of the global batch
+    total, total_loss = stats[1].item(), stats[0].item()
+    gradient.mul_(count * dist.get_world_size() / total)   # the ranks' average is now the global gradient
+    bucket = HookBucket(gradient, params)
+    with traffic.record() as recording:
+        future = hook_fn(state, bucket)
+        averaged = future.wait()
+    averaged = averaged[0] if isinstance(averaged, (list, tuple)) else averaged
+    for p, value in zip(params, HookBucket(averaged, params).gradients()):
+        p.grad = value.clone()
+    timing = _after_backward_timing(model, t_backward, t_backward_end, recording, numel=gradient.numel())
+    t_reduced = time.perf_counter()
+    optimizer.step()
+    t_end = time.perf_counter()
+    timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
+                            communication_done=t_reduced - t_backward, optimizer=t_end - t_reduced,
+                            total=t_end - t_start, buckets=[timing])
+    return int(round(total)), total_loss / total, timeline
+
+
+def _layered_step(model, sharded_model, loss_fn, data, count, buckets, reduce_in_place, sharded, hook):
+    """Steps 2 to 4 with a `zero_sharded.ShardedDataParallel`: its hooks communicate during forward and backward."""
+    t_start = time.perf_counter()
+    sharded_model.zero_grad()
+    sharded_model.begin_step(count)
+    loss, loss_sum = None, 0.0
+    with traffic.record() as recording:
+        if data is not None:
+            loss = _local_loss(model, loss_fn, *data)
+            loss_sum = loss.item() * count
+        total, global_loss = sharded_model.start_step(count, loss_sum)
+        t_backward = time.perf_counter()
+        if loss is not None:
+            loss.backward()
+        t_backward_end = time.perf_counter()
+        sharded_model.finish_gradients()
+        t_reduced = time.perf_counter()
+        sharded_model.step()
+    t_end = time.perf_counter()
+    timing = BucketTiming(0, 0, 0, ready=t_backward_end - t_backward, start=0.0, end=t_reduced - t_backward,
+                          bytes_sent=recording.bytes_sent, bytes_received=recording.bytes_received,
+                          messages_sent=recording.messages_sent)
+    timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
+                            communication_done=t_reduced - t_backward, optimizer=t_end - t_reduced,
+                            total=t_end - t_start, buckets=[timing])
+    return total, global_loss, timeline
+
+
 def _bucket_bytes(bucket_mb, overlap, sharded):
     """The bucket size in bytes, or None for today's single all-reduce after backward."""
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     if sharded and (overlap or bucket_mb is not None):
-        raise ValueError("a ShardedOptimizer reduce-scatters the whole gradient after backward: it does not take "
-                         "bucket_mb or overlap=True; leave both out.")
+        raise ValueError("a ShardedOptimizer reduce-scatters the whole gradient after backward (a "
+                         "ShardedDataParallel reduces each layer's during backward): it does not take bucket_mb or "
+                         "overlap=True; leave both out.")
     if bucket_mb is None:
         return 25 * MIB if overlap else None
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:

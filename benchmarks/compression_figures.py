@@ -1,0 +1,260 @@
+"""Gradient compression on the course's model: bytes per step, loss after training, time per step, measured.
+
+    python benchmarks/compression_figures.py [--world-size 4] [--steps 200] [--seeds 3] [--reps 9]
+                                             [--hidden 128] [--depth 2] [--batch 8] [--lr 0.05] [--note "..."]
+
+One launch of --world-size ranks. The model is toy.make_mlp(hidden, depth) on 600 spiral points (the
+course's MLP and data, 128 hidden units wide so that its square layer dominates, as in notebook 12),
+SGD with momentum 0.9, --batch samples per rank per step, trained by the hand-made trainer with each
+gradient averager as its DDP communication hook:
+
+    none            the trainer's ring all-reduce (fp32)
+    bf16            compression.low_precision_hook, summed in fp32
+    PowerSGD r=2    compression.powersgd_hook, rank 2, error feedback (starts at step 2, as PyTorch's allows)
+    PowerSGD no EF  the same without error feedback
+    top-k EF        compression.topk_hook, 1% density, error feedback
+    top-k no EF     the same without
+
+Per --seeds data seed (deterministic: course_lib's collectives sum in a fixed order): the loss of the
+whole data set after --steps steps, each variant's ratio to the uncompressed run's, the loss curve,
+and every rank's bytes per step from its traffic recording against the hook's formula. PowerSGD is
+also run against PyTorch's own powerSGD_hook, both inside DDP on the same model and data: the sizes
+they all-reduce each step, and the largest gap between their parameters and between their losses.
+Time: --reps repetitions of --time-steps + 1 steps of every variant, in an order shuffled anew each
+repetition; mean step time of the last --time-steps steps, slowest rank; median and spread.
+
+Writes benchmarks/results/compression_figures_<G>ranks.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import course_lib
+from course_lib import bench, training
+from course_lib.training import compression, toy
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+VARIANTS = ("none", "bf16", "PowerSGD r=2", "PowerSGD no EF", "top-k EF", "top-k no EF")
+
+
+def hook_of(name, options):
+    """(hook, state) of a variant; (None, None) for the plain ring all-reduce."""
+    rank = options["rank"]
+    return {"none": (None, None),
+            "bf16": (compression.low_precision_hook, compression.LowPrecisionState()),
+            "PowerSGD r=2": (compression.powersgd_hook,
+                             compression.PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2)),
+            "PowerSGD no EF": (compression.powersgd_hook,
+                               compression.PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                                         use_error_feedback=False)),
+            "top-k EF": (compression.topk_hook, compression.TopKState(density=options["density"])),
+            "top-k no EF": (compression.topk_hook, compression.TopKState(density=options["density"],
+                                                                        use_error_feedback=False))}[name]
+
+
+def train(name, options, data, steps, seed=0):
+    model = toy.make_mlp(hidden=options["hidden"], depth=options["depth"], seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
+    hook, state = hook_of(name, options)
+    log = training.train_data_parallel(model, optimizer, data, F.cross_entropy, batch_size=options["batch"],
+                                       epochs=10_000, max_steps=steps, comm_hook=hook, comm_hook_state=state)
+    with torch.no_grad():
+        final = F.cross_entropy(model(data[0]), data[1]).item()
+    return model, log, final
+
+
+def _ddp_powersgd(which, options, data, rank, world_size):
+    model = toy.make_mlp(hidden=options["hidden"], depth=options["depth"], seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
+    if which == "torch":
+        state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=options["rank"], start_powerSGD_iter=2)
+        hook = torch_powersgd.powerSGD_hook
+    else:
+        state = compression.PowerSGDState(matrix_approximation_rank=options["rank"], start_powerSGD_iter=2)
+        hook = compression.powersgd_hook
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(state, hook)
+    dataset = TensorDataset(*data)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    sizes, losses, params = [], [], []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        epoch = 0
+        while len(losses) < options["ddp_steps"]:
+            sampler.set_epoch(epoch)
+            for x, y in DataLoader(dataset, batch_size=options["batch"], sampler=sampler):
+                if len(losses) >= options["ddp_steps"]:
+                    break
+                optimizer.zero_grad()
+                loss = F.cross_entropy(ddp(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+                params.append(training.flat_parameters(model))
+            epoch += 1
+    finally:
+        dist.all_reduce = original
+    return {"sizes": sizes, "losses": losses, "params": params,
+            "sent": list(getattr(state, "sent", []))}
+
+
+def measure(rank, world_size, options):
+    torch.set_num_threads(1)
+    out = {"seeds": {}, "times": {name: [] for name in VARIANTS}}
+    for seed in range(options["seeds"]):
+        data = toy.make_spirals(600, seed=1 + seed)
+        runs = {}
+        for name in VARIANTS:
+            _, log, final = train(name, options, data, options["steps"], seed=seed)
+            runs[name] = {"final_loss": final, "losses": log.losses,
+                          "bytes_per_step": [t.buckets[0].bytes_sent for t in log.timeline]}
+        out["seeds"][seed] = runs
+    data = toy.make_spirals(600, seed=1)
+    theirs = _ddp_powersgd("torch", options, data, rank, world_size)
+    ours = _ddp_powersgd("ours", options, data, rank, world_size)
+    out["against_pytorch"] = {
+        "torch_sizes": theirs["sizes"], "our_sent": ours["sent"],
+        "max_param_gap": max((a - b).abs().max().item() for a, b in zip(theirs["params"], ours["params"])),
+        "max_loss_gap": max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"])),
+        "losses_torch": theirs["losses"], "losses_ours": ours["losses"]}
+    shuffle = random.Random(0)
+    with course_lib.unchecked():
+        for rep in range(options["reps"] + 1):
+            order = list(VARIANTS)
+            shuffle.shuffle(order)
+            for name in order:
+                _, log, _ = train(name, options, data, options["time_steps"] + 3)
+                if rep > 0:
+                    out["times"][name].append(statistics.fmean(log.step_times[3:]))   # PowerSGD compresses from step 2
+    return out
+
+
+def analyse(per_rank, options):
+    g = options["world_size"]
+    shapes = [tuple(p.shape) for p in toy.make_mlp(hidden=options["hidden"], depth=options["depth"]).parameters()][::-1]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    formulas = {"none": [compression.ring_bytes(numel + 0, g, r) for r in range(g)],
+                "bf16": [compression.low_precision_bytes(numel, g)] * g,
+                "PowerSGD r=2": [compression.powersgd_bytes(shapes, options["rank"], g, r) for r in range(g)],
+                "PowerSGD no EF": [compression.powersgd_bytes(shapes, options["rank"], g, r) for r in range(g)],
+                "top-k EF": [compression.topk_bytes(numel, options["density"], g)] * g,
+                "top-k no EF": [compression.topk_bytes(numel, options["density"], g)] * g}
+    # The uncompressed trainer's one all-reduce carries the loss sum and sample count too: N + 2 elements.
+    formulas["none"] = [compression.ring_bytes(numel + 2, g, r) for r in range(g)]
+    variants = {}
+    for name in VARIANTS:
+        per_seed = [per_rank[0]["seeds"][s][name]["final_loss"] / per_rank[0]["seeds"][s]["none"]["final_loss"]
+                    for s in range(options["seeds"])]
+        last = [per_rank[r]["seeds"][0][name]["bytes_per_step"][-1] for r in range(g)]
+        variants[name] = {
+            "final_loss": [per_rank[0]["seeds"][s][name]["final_loss"] for s in range(options["seeds"])],
+            "ratio_to_uncompressed": per_seed,
+            "bytes_per_step_rank0": last[0],
+            "bytes_equal_formula_every_rank": last == formulas[name],
+            "share_of_uncompressed": last[0] / formulas["none"][0],
+            "time": {**bench.spread([max(per_rank[r]["times"][name][i] for r in range(g))
+                                     for i in range(options["reps"])])}}
+    against = per_rank[0]["against_pytorch"]
+    sizes = compression.powersgd_sizes(shapes, options["rank"])
+    per_step = [sizes["uncompressed"], sizes["p"], sizes["q"]]
+    torch_steps = against["torch_sizes"][2:]
+    against_summary = {
+        "torch_allreduce_sizes_per_step": per_step,
+        "torch_sizes_match_formula": torch_steps == per_step * (len(torch_steps) // 3)
+        and against["torch_sizes"][:2] == [numel, numel],
+        "our_sizes_match": all([s["uncompressed"], s["p"], s["q"]] == per_step for s in against["our_sent"]),
+        "max_param_gap": max(r["against_pytorch"]["max_param_gap"] for r in per_rank),
+        "max_loss_gap": max(r["against_pytorch"]["max_loss_gap"] for r in per_rank),
+        "steps": len(against["losses_torch"])}
+    return {"parameters": numel, "shapes": shapes, "variants": variants, "against_pytorch": against_summary,
+            "curves_seed0": {name: per_rank[0]["seeds"][0][name]["losses"] for name in VARIANTS}}
+
+
+def markdown(result) -> str:
+    o, m = result["options"], result["machine"]
+    lines = [
+        f"# Gradient compression on {o['world_size']} ranks: bytes, loss and time, measured",
+        "",
+        f"`python benchmarks/compression_figures.py --world-size {o['world_size']}` — toy.make_mlp(hidden={o['hidden']}, "
+        f"depth={o['depth']}), {result['parameters']:,} parameters, 600 spiral points, SGD (lr {o['lr']}, momentum 0.9), "
+        f"batch {o['batch']} per rank, {o['steps']} steps, {o['seeds']} data seeds; PowerSGD rank {o['rank']} from step 2, "
+        f"top-k density {o['density']}. Machine: {m['cpus']} CPUs, torch {m['torch']}, {m['date']}. Load average before: "
+        f"{result['load_before']}, after: {result['load_after']}" + (f". Note: {o['note']}" if o.get("note") else "") + ".",
+        "",
+        "| variant | bytes per step, rank 0 | share of uncompressed | recording == formula (every rank) "
+        "| loss after training / uncompressed, per seed | step time ms, median (min..max) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, v in result["variants"].items():
+        ratios = ", ".join(f"{r:.3f}" for r in v["ratio_to_uncompressed"])
+        t = v["time"]
+        lines.append(f"| {name} | {v['bytes_per_step_rank0']:,} | {v['share_of_uncompressed']:.3f} | "
+                     f"{'yes' if v['bytes_equal_formula_every_rank'] else 'NO'} | {ratios} | "
+                     f"{1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) |")
+    a = result["against_pytorch"]
+    lines += ["", f"PowerSGD against PyTorch's powerSGD_hook, both in DDP, {a['steps']} steps: all-reduce sizes per "
+                  f"step {a['torch_allreduce_sizes_per_step']} (uncompressed, P, Q) for both: "
+                  f"{'yes' if a['torch_sizes_match_formula'] and a['our_sizes_match'] else 'NO'}; largest parameter gap "
+                  f"{a['max_param_gap']:.2e}, largest loss gap {a['max_loss_gap']:.2e}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--time-steps", type=int, default=4)
+    parser.add_argument("--ddp-steps", type=int, default=60)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--rank", type=int, default=2)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--note", default="")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    if args.reps < 9:
+        parser.error("--reps must be at least 9: a median of fewer runs on a shared machine means little")
+    options = {k: getattr(args, k) for k in ("world_size", "steps", "seeds", "reps", "time_steps", "ddp_steps",
+                                             "hidden", "depth", "batch", "lr", "rank", "density", "note")}
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    started = time.perf_counter()
+    per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=3000)
+    result = {"options": options, "machine": bench.machine_description(), "load_before": load_before,
+              "load_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.perf_counter() - started, 1),
+              **analyse(per_rank, options)}
+    print(markdown(result))
+    if not args.no_write:
+        RESULTS.mkdir(exist_ok=True)
+        stem = RESULTS / f"compression_figures_{args.world_size}ranks"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(markdown(result))
+        print(f"wrote {stem}.json and .md")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The modeled network (course_lib.network) measured against its own predictions: issue 16's targets.
+
+    python benchmarks/network_model.py                  # every part, 11 repetitions
+    python benchmarks/network_model.py --parts latency --reps 3 --out /tmp/quick   # a quick look, not a figure
+
+Every part times course_lib's all-reduces with `course_lib.bench` (variants interleaved in one launch,
+order shuffled anew each repetition, a repetition's time the slowest rank's) under a modeled link,
+with course_lib's cross-rank argument check ON, as a learner's call has it (the check agrees through a
+built-in all_gather, which the model does not see: its few ms are this machine's). The ratio reported
+is median time / the link's prediction (`Network.predict`); the spread is that of the repetitions.
+
+    part        link                     ranks   size     variants                      target
+    bandwidth   50 MB/s, 200 us, switch  4       8 MiB    ring, naive, parameter_server  each in [0.85, 1.35] of the model
+    latency     1 GB/s, 5 ms, switch     4       4 KiB    ring, tree                     each in [0.85, 1.5]
+    scaling     50 MB/s, 200 us, switch  2 and 8 8 MiB    ring, parameter_server         G 2 -> 8: ring < 2.2x, PS > 5x
+    busbw       100 MB/s, 1 ms, switch   4       64 MiB   ring, ring_pipelined,          the fastest's busbw >= 0.9 x
+                                                          halving_doubling               the link's bandwidth
+    overhead    unlimited, 0 s vs none   4       4 KiB,   ring                           time within 5% of the plain
+                                                 1 MiB                                   launch's (launches alternate)
+
+Writes benchmarks/results/network_model_<part>.{json,md} (bench's tables) and network_model.md (the
+targets, measured). Overlap with backward on a modeled link is measured by
+`benchmarks/overlap_figures.py --network ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import course_lib
+from course_lib import allreduce, bench
+from course_lib.network import Network
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+BANDWIDTH = Network("50 MB/s", "200 us")
+LATENCY = Network("1 GB/s", "5 ms")
+BUSBW = Network("100 MB/s", "1 ms")
+PARTS = ("bandwidth", "latency", "scaling", "busbw", "overhead")
+
+
+def _ratio_row(result: bench.Result, low: float, high: float) -> dict:
+    ratios = [t / result.predicted for t in result.times]
+    spread = bench.spread(ratios)
+    return dict(target=f"{result.variant}, G={result.world_size}, {bench.format_bytes(result.nbytes)}: time / model "
+                       f"in [{low}, {high}]", measured=spread, met=low <= spread["median"] <= high)
+
+
+def model_part(name, network, world_sizes, size, variants, reps, low, high, stem):
+    results = bench.run(sizes=[size], world_sizes=world_sizes, variants=variants, reps=reps, network=network,
+                        arg_checks=True, progress=True)
+    results.save(f"{stem}_{name}", title=f"All-reduce on a modeled link ({network.describe()}): measured",
+                 meta={"command": " ".join(sys.argv), "note": "argument checks on, as in a learner's call"})
+    return results, [_ratio_row(r, low, high) for r in results]
+
+
+def scaling_rows(results: bench.Results) -> list[dict]:
+    rows = []
+    for variant, test, limit in (("ring", lambda x: x < 2.2, "< 2.2"), ("parameter_server", lambda x: x > 5, "> 5")):
+        small, large = results.get(variant, 2, "8MiB"), results.get(variant, 8, "8MiB")
+        # G=2 and G=8 ran in different launches: no pairing; the ratio of medians, and of the quartiles' extremes
+        growth = large.median / small.median
+        spread = dict(median=growth, q1=large.quartiles[0] / small.quartiles[1], q3=large.quartiles[1] / small.quartiles[0],
+                      min=large.min / small.max, max=large.max / small.min, n=min(len(small.times), len(large.times)))
+        rows.append(dict(target=f"{variant}: time at G=8 / time at G=2, 8 MiB, {limit}", measured=spread,
+                         met=test(growth)))
+    return rows
+
+
+def busbw_rows(results: bench.Results, network: Network) -> list[dict]:
+    fastest = min(results, key=lambda r: r.median)
+    shares = [bench.busbw(bench.algbw(fastest.nbytes, t), fastest.world_size) * 1e9 / network.bandwidth
+              for t in fastest.times]
+    spread = bench.spread(shares)
+    return [dict(target=f"fastest at 64 MiB ({fastest.variant}): busbw / link bandwidth >= 0.9", measured=spread,
+                 met=spread["median"] >= 0.9)]
+
+
+def _ring_times(rank, world_size, sizes, reps):
+    times = {}
+    for nbytes in sizes:
+        tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+        samples = []
+        for rep in range(reps + 1):  # the first call warms up
+            dist.barrier()
+            start = time.perf_counter()
+            allreduce.ring(tensor)
+            if rep:
+                samples.append(time.perf_counter() - start)
+        times[nbytes] = samples
+    return times
+
+
+def overhead_part(launches: int, reps: int, stem: str) -> list[dict]:
+    """Plain launches and launches with an unlimited link, alternating; one median per launch."""
+    sizes = [4096, 1 << 20]
+    medians = {(kind, n): [] for kind in ("plain", "unlimited") for n in sizes}
+    for i in range(launches):
+        for kind in (("plain", "unlimited") if i % 2 == 0 else ("unlimited", "plain")):
+            network = None if kind == "plain" else Network("unlimited", 0)
+            per_rank = course_lib.launch(_ring_times, 4, args=(sizes, reps), network=network, timeout=300)
+            for n in sizes:
+                slowest = [max(r[n][k] for r in per_rank) for k in range(reps)]
+                medians[(kind, n)].append(statistics.median(slowest))
+        print(f"[overhead {i + 1}/{launches}]", file=sys.stderr, flush=True)
+    rows = []
+    for n in sizes:
+        ratios = [u / p for u, p in zip(medians[("unlimited", n)], medians[("plain", n)])]
+        spread = bench.spread(ratios)
+        rows.append(dict(target=f"ring, G=4, {bench.format_bytes(n)}: unlimited link / no network, within 5%",
+                         measured=spread, met=abs(spread["median"] - 1) <= 0.05))
+    with open(f"{stem}_overhead.json", "w", encoding="utf-8") as f:
+        json.dump({"meta": bench.machine_description(), "launches": launches, "reps_per_launch": reps,
+                   "medians_s": {f"{k} {n}": v for (k, n), v in medians.items()}}, f, indent=1)
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = ["# The modeled network against its own predictions (issue 16)", "",
+             f"Machine: {meta['cpus']} CPU(s) ({meta['cpu_model']}), torch {meta['torch']}, Python {meta['python']}, "
+             f"{meta['date']}. Load average before: {meta['load_before']}, after: {meta['load_after']}.", "",
+             f"Command: `{meta['command']}`. Times: the slowest rank per repetition, argument checks on; "
+             "ratios are per repetition (time / the model's prediction), their median and spread.", "",
+             "| target | median (IQR; min..max) | n | met |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        m = row["measured"]
+        lines.append(f"| {row['target']} | {m['median']:.3f} ({m['q1']:.3f}..{m['q3']:.3f}; {m['min']:.3f}..{m['max']:.3f})"
+                     f" | {m['n']} | {'yes' if row['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)}")
+    parser.add_argument("--out", default=str(RESULTS / "network_model"), help="stem of the files written")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    meta = {**bench.machine_description(), "command": "python benchmarks/network_model.py " + " ".join(argv or sys.argv[1:]),
+            "load_before": [round(x, 2) for x in os.getloadavg()]}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    rows = []
+    if "bandwidth" in parts:
+        rows += model_part("bandwidth", BANDWIDTH, [4], "8MiB", ["ring", "naive", "parameter_server"], args.reps,
+                           0.85, 1.35, args.out)[1]
+    if "latency" in parts:
+        rows += model_part("latency", LATENCY, [4], "4KiB", ["ring", "tree"], args.reps, 0.85, 1.5, args.out)[1]
+    if "scaling" in parts:
+        results, _ = model_part("scaling", BANDWIDTH, [2, 8], "8MiB", ["ring", "parameter_server"], args.reps,
+                                0.85, 1.35, args.out)
+        rows += scaling_rows(results)
+    if "busbw" in parts:
+        results, _ = model_part("busbw", BUSBW, [4], "64MiB", ["ring", "ring_pipelined", "halving_doubling"],
+                                args.reps, 0.85, 1.35, args.out)
+        rows += busbw_rows(results, BUSBW)
+    if "overhead" in parts:
+        rows += overhead_part(max(args.reps, 9), 15, args.out)
+    meta["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    text = markdown(rows, meta)
+    suffix = "" if set(parts) == set(PARTS) else "_" + "_".join(parts)
+    with open(f"{args.out}{suffix}.md", "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+    return 0 if all(row["met"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
