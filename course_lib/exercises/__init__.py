@@ -40,8 +40,9 @@ chunks are ``torch.tensor_split(tensor, G)``. Use `course_lib.p2p` or torch.dist
 send / recv / isend / irecv; chunk labels are optional, the check reads the data. Calling a built-in
 collective (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``, ...) scores 0 for
 that case in every exercise; so does course_lib's own implementation where the exercise is to write it:
-`course_lib.collectives` and `course_lib.allreduce` for all but average_gradients, `course_lib.training`
-for average_gradients (which may use course_lib.allreduce). `exercises.list()` says it per exercise.
+`course_lib.collectives`, `course_lib.allreduce` and `course_lib.fast_allreduce` for all but
+average_gradients, `course_lib.training` for average_gradients (which may use the all-reduces).
+`exercises.list()` says it per exercise.
 
 Questions (`answer` is a value, or a function of G and N for a formula):
 

@@ -273,8 +273,7 @@ register(PassToken(
                        1.5),
             RubricLine("returned", "the returned list holds the tokens of ranks r, r-1, ..., r-G+1, its own first", 1),
             RubricLine("single", "with one rank (G = 1) it returns [its own token] and sends nothing", 1,
-                       family=SINGLE_RANK)),
-    forbidden=("collectives", "allreduce")))
+                       family=SINGLE_RANK))))
 
 register(Broadcast(
     name="broadcast", notebook="02_collectives", points=5,

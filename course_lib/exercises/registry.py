@@ -162,7 +162,7 @@ class FunctionExercise(Exercise):
     """
 
     root_name: str = "root"
-    forbidden: tuple = ("collectives", "allreduce")
+    forbidden: tuple = ("collectives", "allreduce", "fast_allreduce")
     observed: ClassVar[tuple] = ("after", "returned")   # a class attribute: subclasses set their own
     ring_picture: bool = False  # draw the failing step of a ring schedule
 

@@ -297,6 +297,11 @@ def run_batch(exercise_name: str, fn, world_size: int, cases, inputs, first_inde
     Returns:
         A `RankBatch`: every rank's record per case, what hung ranks wrote, the launcher's error.
     """
+    import importlib
+
+    for module in registry.get(exercise_name).forbidden:
+        # Imported here, once, rather than by every forked rank's tracer (which swaps their functions out).
+        importlib.import_module(f"course_lib.{module}")
     workdir = tempfile.mkdtemp(prefix="course_lib-check-")
     try:
         backstop = case_timeout * (len(cases) + 1) + 10
