@@ -12,9 +12,16 @@ every rank's local gradient itself (from the model's seed, the rank's batch and 
 reported) and compares (1) each rank's gradients with the mean of all ranks' local gradients, step by
 step, and (2) the parameters after every step with one process training on the whole global batches
 (`train_single_process`), which is the claim of notebook 07. The built-in collectives and
-course_lib.training's own `average_gradients` are off limits; course_lib.allreduce, course_lib.collectives
-and the learner's own ring from notebook 05 are allowed. A rank that received fewer elements than an
-all-reduce of its gradients needs cannot have averaged them through the messages the check traces.
+course_lib.training (its own `average_gradients`, DDP, ZeRO, the compression hooks) are off limits;
+course_lib.allreduce, course_lib.fast_allreduce, course_lib.collectives and the learner's own ring from
+notebook 05 are allowed.
+
+The exchange is judged from the data too: a rank that received fewer elements than an all-reduce of its
+gradients needs, or whose received values do not carry the other ranks' gradients (each value must be the
+sum of some ranks' gradients at some element, as it is or divided by G or by their count: what a naive
+exchange, a parameter server, a ring or a tree sends; `_missing_contributions`), cannot have averaged them
+through the messages the check traces. Padding, noise or parameters sent instead, with the mean computed
+some other way, earn nothing.
 """
 
 from __future__ import annotations
@@ -145,35 +152,57 @@ class AverageGradients(FunctionExercise):
                                     f"average_gradients must leave every .grad the shape of its parameter.",
                                     order=(0, rank), line="mean")]
         with _one_thread():
-            problems = self._mean_problems(case, records, names) + self._training_problems(case, records)
+            local_gradients = self._local_gradients(case, records)
+        problems = self._mean_problems(case, records, names, local_gradients) + self._training_problems(case, records)
+        mean_right = not any(p.line == "mean" for p in problems)
         received = [sum(m.numel for m in record["messages"] if not m.is_send) for record in records]
         needed = STEPS * size * (G - 1) / G
         short = [rank for rank, count in enumerate(received) if count < needed]
         if G > 1 and short:
             rank = short[0]
-            mean_right = not any(p.line == "mean" for p in problems)
             problems.append(Problem(
                 f"rank {rank} received {received[rank]} elements in {STEPS} steps; an all-reduce of the {size} gradient "
                 f"values needs at least {size}(G - 1)/G per step ({needed:g} in all)"
                 + (": the mean it holds did not come through the point-to-point messages the check traces."
                    if mean_right else ": every rank must send and receive its part of the gradients."),
                 order=(-1, rank), line=None if mean_right else "exchange"))
+        elif G > 1:
+            missing = _missing_contributions(records, local_gradients)
+            if missing is not None:
+                rank, step, element, others, share = missing
+                which = _parameter_at(names, element)
+                problems.append(Problem(
+                    f"step {step}: no message rank {rank} received carried the gradients of {others} for "
+                    f"{share:.0%} of the values it needed them for (e.g. {which}): what the ranks send must be "
+                    "their gradients, or sums of them, not other values"
+                    + (", so the mean it holds did not come through the point-to-point messages the check traces."
+                       if mean_right else "."),
+                    order=(-1, rank), line=None if mean_right else "exchange"))
         return problems
 
-    def _mean_problems(self, case, records, names):
+    def _local_gradients(self, case, records) -> list:
+        """[step] -> a (G, n) float64 tensor: every rank's own gradient at that step, recomputed here at the
+        parameters the rank reported (what each rank computed before the learner's function)."""
+        local_gradient = _LocalGradients(case)
+        steps = []
+        for step in range(STEPS):
+            before = [record["initial"] if step == 0 else record["parameters"][step - 1] for record in records]
+            steps.append(torch.stack([local_gradient(before[rank], rank, step).double()
+                                      for rank in range(case.world_size)]))
+        return steps
+
+    def _mean_problems(self, case, records, names, local_gradients):
         """Step by step, every rank's gradients after the learner's function against the mean of the ranks' own
         local gradients, recomputed here at the parameters each rank reported."""
         G = case.world_size
         eps = torch.finfo(torch.float32).eps
-        local_gradient = _LocalGradients(case)
         for step in range(STEPS):
-            before = [record["initial"] if step == 0 else record["parameters"][step - 1] for record in records]
-            locals_ = torch.stack([local_gradient(before[rank], rank, step).double() for rank in range(G)])
+            locals_ = local_gradients[step]
             mean = locals_.mean(0)
             tol = (G + 2) * eps * locals_.abs().sum(0) / G + 1e-12
             for rank, record in enumerate(records):
                 got = record["averaged"][step].double().reshape(-1)
-                bad = (got - mean).abs() > tol
+                bad = ~((got - mean).abs() <= tol)          # NaN is never the mean
                 if not bool(bad.any()):
                     continue
                 index = int(bad.nonzero()[0])
@@ -202,6 +231,95 @@ class AverageGradients(FunctionExercise):
         return []
 
 
+_WINDOW = 32           # candidates looked at on each side of where a received value sorts in
+_MISSING_SHARE = 0.1    # a rank may lack the contributions of others for this share of its values (float coincidences)
+
+
+def _candidates(gradients: torch.Tensor):
+    """Every value a correct exchange of these gradients can put in a message, one per (subset S of the ranks,
+    element i): the sum of S's gradients at i, as it is or divided by G or by |S| (averaging on the way).
+
+    Returns (values, tolerances, subsets as bit masks, elements), sorted by value, as numpy arrays.
+    """
+    import numpy as np
+
+    G, n = gradients.shape
+    L = gradients.numpy()
+    sums, sizes = np.zeros((1 << G, n)), np.zeros(1 << G, dtype=np.int64)
+    abs_sums = np.zeros((1 << G, n))
+    for mask in range(1, 1 << G):
+        low = (mask & -mask).bit_length() - 1                 # built from the subset without its lowest rank
+        sums[mask], abs_sums[mask] = sums[mask ^ (1 << low)] + L[low], abs_sums[mask ^ (1 << low)] + np.abs(L[low])
+        sizes[mask] = sizes[mask ^ (1 << low)] + 1
+    masks = np.repeat(np.arange(1, 1 << G), n)
+    elements = np.tile(np.arange(n), (1 << G) - 1)
+    eps = float(torch.finfo(torch.float32).eps)
+    values, tolerances, subsets, where = [], [], [], []
+    scales = [np.ones(sizes[1:].shape), np.full(sizes[1:].shape, 1.0 / G), 1.0 / sizes[1:]]
+    for scale in scales:
+        per = np.repeat(scale, n)
+        values.append(sums[1:].reshape(-1) * per)
+        tolerances.append((np.repeat(sizes[1:], n) + 2) * eps * abs_sums[1:].reshape(-1) * per + 1e-30)
+        subsets.append(masks)
+        where.append(elements)
+    values, tolerances = np.concatenate(values), np.concatenate(tolerances)
+    subsets, where = np.concatenate(subsets), np.concatenate(where)
+    order = np.argsort(values, kind="stable")
+    return values[order], tolerances[order], subsets[order], where[order]
+
+
+def _missing_contributions(records, local_gradients):
+    """Whether the gradients of the other ranks reached each rank through the messages it received.
+
+    A rank's mean needs, at every element, the gradient of every other rank whose gradient is not 0 there (not
+    within float rounding of 0). A
+    received value carries the contributions of the ranks S when it equals the sum of S's gradients at some
+    element (or that sum divided by G or |S|): what a naive exchange, a parameter server, a ring or a tree
+    sends. Padding, parameters or noise carry nothing. Judged only from the data: the values the other ranks
+    sent to this rank, against the gradients the judge recomputed.
+
+    Returns None when every rank got (nearly) every contribution it needs at every step; else (rank, step, an
+    element it lacked, whose contributions in words, the share of its needed values that lacked some).
+    """
+    import numpy as np
+
+    G = len(records)
+    incoming = [[] for _ in range(G)]
+    for sender, record in enumerate(records):
+        for message in record["messages"]:
+            if message.is_send and message.data is not None and message.peer in range(G) and message.peer != sender:
+                incoming[message.peer].append(message.data.double().reshape(-1).numpy())
+    for step, gradients in enumerate(local_gradients):
+        values, tolerances, subsets, elements = _candidates(gradients)
+        # A contribution within float rounding of 0 cannot show in a sum: only the others are needed.
+        L = gradients.numpy()
+        rounding = (len(records) + 2) * float(torch.finfo(torch.float32).eps) * np.abs(L).sum(0)
+        nonzero = np.abs(L) > rounding
+        for rank in range(G):
+            need = np.zeros(gradients.shape[1], dtype=np.int64)
+            for other in range(G):
+                if other != rank:
+                    need |= nonzero[other].astype(np.int64) << other
+            have = np.zeros_like(need)
+            got = np.unique(np.concatenate(incoming[rank])) if incoming[rank] else np.zeros(0)
+            got = got[np.isfinite(got) & (got != 0)]
+            if got.size:
+                # The candidates next to where each value sorts in: a value matches within its rounding.
+                index = np.searchsorted(values, got)[:, None] + np.arange(-_WINDOW, _WINDOW)[None, :]
+                index = np.clip(index, 0, values.size - 1)
+                match = np.abs(values[index] - got[:, None]) <= tolerances[index]
+                np.bitwise_or.at(have, elements[index[match]], subsets[index[match]])
+            lacking = need & ~have
+            needed = int((need != 0).sum())
+            short = np.nonzero(lacking)[0]
+            if needed and short.size > _MISSING_SHARE * needed:
+                element = int(short[0])
+                ranks = [other for other in range(G) if lacking[element] >> other & 1]
+                who = ", ".join(f"rank {other}" for other in ranks[:3]) + (" and others" if len(ranks) > 3 else "")
+                return rank, step, element, who, short.size / needed
+    return None
+
+
 def _parameter_at(names, index) -> str:
     offset = 0
     for name, numel in names:
@@ -216,7 +334,8 @@ register(AverageGradients(
     signature="average_gradients(model) -> None",
     summary="after backward on every rank, replace every parameter's .grad by the mean over all ranks",
     rubric=(RubricLine("exchange", "every rank sends and receives its part of the gradients: at least n(G - 1)/G of "
-                                   "the n gradient values per step (three SGD steps of a small MLP, equal batches)", 3),
+                                   "the n gradient values per step, carrying the other ranks' gradients or sums of "
+                                   "them (three SGD steps of a small MLP, equal batches)", 3),
             RubricLine("mean", "after your function every rank's gradients equal the mean of all ranks' local "
                                "gradients, at every step (float tolerance)", 5),
             RubricLine("training", "the parameters after every step equal one process training on the whole global "
