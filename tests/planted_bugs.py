@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from torch.distributed import all_reduce as builtin_all_reduce   # a learner who imports the name directly
 
-from course_lib import allreduce, p2p
+from course_lib import allreduce, fast_allreduce, p2p
 
 
 def _rg():
@@ -687,6 +687,54 @@ def avg_divides_by_wrong_count(model):
         parameter.grad.copy_(flat.view_as(parameter.grad) / max(G - 1, 1))
 
 
+# Ways round writing it: course_lib's other all-reduces, the built-in reached through torch's own module, and
+# messages that carry no gradients next to a mean made some other way. Each must score 0 (test_exercises.py).
+
+def ring_fast_allreduce(tensor):                  # for small tensors ring_pipelined sends exactly the ring's messages
+    fast_allreduce.ring_pipelined(tensor)
+
+
+def naive_recursive_doubling(tensor):
+    fast_allreduce.recursive_doubling(tensor)
+
+
+def ps_tree(tensor, root=0):
+    fast_allreduce.tree(tensor)
+
+
+def rs_builtin_through_c10d(tensor):
+    dist.distributed_c10d.all_reduce(tensor)
+    return (dist.get_rank() + 1) % dist.get_world_size()
+
+
+def _padding(model):
+    """Send as many elements as an all-reduce would, and none of them a gradient."""
+    rank, G = _rg()
+    if G > 1:
+        count = sum(p.numel() for p in model.parameters())
+        request = dist.isend(torch.zeros(count), (rank + 1) % G)
+        dist.recv(torch.empty(count), (rank - 1) % G)
+        request.wait()
+
+
+def avg_padding_only(model):
+    _padding(model)
+
+
+def avg_padding_and_nan(model):                   # NaN compared with anything is False: is it "not different"?
+    _padding(model)
+    for parameter in model.parameters():
+        parameter.grad.fill_(float("nan"))
+
+
+def avg_padding_and_process_group(model):         # the built-in through the process group, which no tracer swaps
+    _padding(model)
+    G = dist.get_world_size()
+    for parameter in model.parameters():
+        dist.group.WORLD.allreduce([parameter.grad]).wait()
+        parameter.grad /= G
+
+
 # One-token slips: a correct solution above with one token changed, for the rubric's partial credit -------
 
 def token_counts_to_g(token):                     # token_isend with range(G) for range(G - 1)
@@ -826,4 +874,15 @@ BUGS = [
     Entry("average_gradients", avg_sum_not_mean, "not their mean"),
     Entry("average_gradients", avg_no_exchange, "no GPU sent a message"),
     Entry("average_gradients", avg_divides_by_wrong_count, "mean"),
+]
+
+# Each scores 0 on every hidden case, not just less than full marks.
+WAYS_ROUND = [
+    Entry("ring", ring_fast_allreduce, "course_lib.fast_allreduce.ring_pipelined"),
+    Entry("naive", naive_recursive_doubling, "course_lib.fast_allreduce.recursive_doubling"),
+    Entry("parameter_server", ps_tree, "course_lib.fast_allreduce.tree"),
+    Entry("ring_scatter_reduce", rs_builtin_through_c10d, "torch.distributed.all_reduce"),
+    Entry("average_gradients", avg_padding_only, "carried the gradients of rank"),
+    Entry("average_gradients", avg_padding_and_nan, "is nan"),
+    Entry("average_gradients", avg_padding_and_process_group, "carried the gradients of rank"),
 ]

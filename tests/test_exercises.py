@@ -85,6 +85,17 @@ def test_planted_bugs_lose_points_and_the_first_problem_names_them(entry):
     assert _children() == []
 
 
+@pytest.mark.parametrize("entry", pb.WAYS_ROUND, ids=lambda e: f"{e.exercise}-{e.name}")
+def test_ways_round_writing_it_score_zero(entry):
+    """course_lib's faster all-reduces, the built-in reached through torch.distributed.distributed_c10d or the process
+    group, and padding messages next to a mean made some other way: 0 points, the first problem naming it."""
+    result, outcome = _run(entry, sizes=(1, 2, 3))
+    assert result.score == 0, repr(result)
+    first = next(c for c in outcome.cases if not c.passed).problems[0].message
+    assert entry.expect in first, first
+    assert _children() == []
+
+
 def test_partial_credit_follows_the_rubric_lines():
     # Floor-division chunks are right exactly when G divides N: every line holds on those cases, and only the
     # family line about uneven lengths is missed, so the ring keeps all its other points.
