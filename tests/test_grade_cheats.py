@@ -1,6 +1,6 @@
 """Submissions that try to forge their grade. Each is an otherwise empty submission of notebook 04 (its
-ring_scatter_reduce not written) plus one cell with a cheat, and each must score 0, with the judge unharmed
-and nothing the submission started still running afterwards.
+ring_scatter_reduce not written; a few cheats use notebook 07's average_gradients) plus one cell with a cheat,
+and each must score 0, with the judge unharmed and nothing the submission started still running afterwards.
 
 The cheats run for real: the sandbox runs as an unprivileged user (these tests run as root, as on
 Gradescope), and every cheat first leaves a mark in a folder the sandbox may write, so a test can tell that
@@ -22,6 +22,9 @@ import textwrap
 import nbformat
 import pytest
 
+import time
+from dataclasses import dataclass
+
 from course_lib.exercises import registry
 from course_lib.grade import judge, sandbox
 
@@ -33,8 +36,26 @@ from course_lib import exercises
 
 def ring_scatter_reduce(tensor):
     raise NotImplementedError("your code here")'''
+STUB_07 = '''import torch, torch.distributed as dist
+from course_lib import exercises
 
-# Each cheat's cell; MARK is replaced by a file the cheat writes first (proof that it ran).
+def average_gradients(model):
+    raise NotImplementedError("your code here")'''
+
+
+@dataclass(frozen=True)
+class Notebook:
+    """A cheat that needs more than one cell of notebook 04: another notebook, more cells, shorter time limits."""
+
+    cells: tuple                                  # the cheat's cells (the first one leaves the mark)
+    name: str = "04_ring_scatter_reduce.ipynb"
+    stub: str = STUB
+    exercise: str = "ring_scatter_reduce"
+    limits: tuple = (("cell_timeout", 60),)      # grade_notebook's keyword arguments
+
+
+# Each cheat's cell (or a Notebook); it first writes an empty file (proof that it ran), whose path MARK names
+# where a cheat reports what it managed.
 CHEATS = {
     "replaces_the_grader_and_the_check": '''
         import course_lib.exercises as exercises_module
@@ -142,6 +163,80 @@ CHEATS = {
                 os.execvp("sleep", ["sleep", "6003"])
             os._exit(0)
         ring_scatter_reduce = ring_scatter_reduce''',
+    "patches_torch_comparisons_and_returns_a_tensor_subclass": '''
+        import torch
+        class Equal(torch.Tensor):                        # equal to anything, in this process
+            def __eq__(self, other): return True
+        torch.equal = torch.allclose = lambda *a, **k: True
+        torch.isclose = lambda a, b, *r, **k: torch.ones_like(a, dtype=torch.bool)
+        torch.Tensor.__eq__ = lambda self, other: torch.ones_like(self, dtype=torch.bool)
+        torch.Tensor.__ne__ = lambda self, other: torch.zeros_like(self, dtype=torch.bool)
+        torch.Tensor.abs = lambda self: torch.zeros_like(self)
+
+        def ring_scatter_reduce(tensor):
+            tensor.fill_(float("nan"))
+            return torch.tensor([1.0]).as_subclass(Equal)''',
+    "sleeps_past_the_timeouts_and_ignores_interrupts": Notebook(('''
+        import signal, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # the judge's interrupt of a cell that runs too long
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        def ring_scatter_reduce(tensor):
+            time.sleep(10**6)''', '''
+        ring_scatter_reduce = ring_scatter_reduce          # a cell the answer needs, and that never ends
+        time.sleep(10**6)'''), limits=(("cell_timeout", 3), ("case_timeout", 0.5), ("timeout", 240))),
+    "forges_its_ranks_record_files_and_exits_in_the_middle": '''
+        import os, pickle, sys, torch.distributed as dist
+
+        def ring_scatter_reduce(tensor):
+            frame = sys._getframe(1)                       # up to the rank's loop, which knows the batch
+            while frame is not None and "workdir" not in frame.f_locals:
+                frame = frame.f_back
+            if frame is not None:
+                found, rank, G = frame.f_locals, dist.get_rank(), dist.get_world_size()
+                for k, case_inputs in enumerate(found["inputs"]):
+                    total = sum(t.double() for t in case_inputs).float()
+                    record = {"status": "ok", "after": total, "returned": (rank + 1) % G, "messages": [],
+                              "printed": (0, "")}
+                    with open(os.path.join(found["workdir"], f"case{found['first_index'] + k}.rank{rank}.done"), "wb") as f:
+                        pickle.dump(record, f)
+            os._exit(0)                                    # before the rank writes its own record''',
+    "reads_the_judges_memory_and_files": '''
+        import os, pathlib
+        report = []
+        warden = os.getppid()                              # root's, like the judge above it
+        judge = pathlib.Path(f"/proc/{warden}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        for pid in (warden, judge):
+            for what, attempt in (("environ", lambda: pathlib.Path(f"/proc/{pid}/environ").read_bytes()),
+                                  ("mem", lambda: open(f"/proc/{pid}/mem", "rb").read(1)),
+                                  ("fds", lambda: os.listdir(f"/proc/{pid}/fd")),
+                                  ("stdout", lambda: open(f"/proc/{pid}/fd/1", "w").write("score 10/10\\n"))):
+                try:
+                    attempt()
+                    report.append(f"{what} of the judge: done")
+                except OSError as exc:
+                    report.append(f"{what} of the judge: {type(exc).__name__}")
+        for folder in (pathlib.Path.cwd().parent, pathlib.Path("/root")):
+            try:
+                report.append(f"list {folder}: {os.listdir(folder)}")
+            except OSError as exc:
+                report.append(f"list {folder}: {type(exc).__name__}")
+        pathlib.Path(MARK).write_text("\\n".join(report))
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "averages_through_the_process_group_behind_padding_messages": Notebook(('''
+        import torch, torch.distributed as dist
+
+        def average_gradients(model):                      # zeros to look like an exchange, the mean from the
+            rank, G = dist.get_rank(), dist.get_world_size()   # built-in that no tracer can swap everywhere
+            if G > 1:
+                count = sum(p.numel() for p in model.parameters())
+                request = dist.isend(torch.zeros(count), (rank + 1) % G)
+                dist.recv(torch.empty(count), (rank - 1) % G)
+                request.wait()
+            for parameter in model.parameters():
+                dist.group.WORLD.allreduce([parameter.grad]).wait()
+                parameter.grad /= G''',), name="07_data_parallel_training.ipynb", stub=STUB_07,
+        exercise="average_gradients"),
 }
 
 
@@ -160,12 +255,18 @@ def marks():
     yield folder
 
 
-def _notebook(folder, cheat: str, mark: pathlib.Path) -> pathlib.Path:
-    source = f"open({str(mark)!r}, 'w').close()\n" + textwrap.dedent(cheat).strip()
+def _as_notebook(cheat) -> Notebook:
+    return cheat if isinstance(cheat, Notebook) else Notebook((cheat,))
+
+
+def _notebook(folder, cheat, mark: pathlib.Path) -> pathlib.Path:
+    cheat = _as_notebook(cheat)
+    sources = [textwrap.dedent(cell).strip().replace("MARK", repr(str(mark))) for cell in cheat.cells]
+    sources[0] = f"open({str(mark)!r}, 'w').close()\n" + sources[0]
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell(STUB), nbformat.v4.new_code_cell(source)]
-    path = folder / "04_ring_scatter_reduce.ipynb"
+    notebook.cells = [nbformat.v4.new_code_cell(cheat.stub)] + [nbformat.v4.new_code_cell(s) for s in sources]
+    path = folder / cheat.name
     nbformat.write(notebook, path)
     return path
 
@@ -189,19 +290,31 @@ def _course_lib_digest() -> str:
     return digest.hexdigest()
 
 
+def test_there_are_at_least_eight_cheats():
+    assert len(CHEATS) >= 8
+
+
 @pytest.mark.parametrize("name", sorted(CHEATS))
 def test_a_cheat_on_an_empty_submission_scores_zero(name, user, marks, tmp_path):
     before = _course_lib_digest()
+    cheat = _as_notebook(CHEATS[name])
     mark = marks / name
-    path = _notebook(tmp_path, CHEATS[name], mark)
-    grade = judge.grade_notebook(path, user=user, cell_timeout=60)
+    path = _notebook(tmp_path, cheat, mark)
+    started = time.monotonic()
+    grade = judge.grade_notebook(path, user=user, **dict(cheat.limits))
     assert mark.exists(), f"the cheat did not run: {grade.notes}"
     assert grade.status == "graded", grade.notes
-    assert [t["name"] for t in grade.tests] == ["ring_scatter_reduce"]
-    assert grade.score == 0 and grade.max_score == registry.get("ring_scatter_reduce").points, grade.tests[0]["output"]
+    assert [t["name"] for t in grade.tests] == [cheat.exercise]
+    assert grade.score == 0 and grade.max_score == registry.get(cheat.exercise).points, grade.tests[0]["output"]
     assert all(not line["met"] for line in grade.tests[0]["lines"])
+    assert time.monotonic() - started < dict(cheat.limits).get("timeout", 900)
     assert _processes_of(user.uid) == [], "a process the submission started outlived its grading"
     assert _course_lib_digest() == before, "a submission changed course_lib's files"
+    if name == "reads_the_judges_memory_and_files":        # the warden's and the judge's, then two folders
+        tries = mark.read_text().splitlines()
+        assert len(tries) == 10 and all(t.endswith(": PermissionError") for t in tries), tries
+    if name == "sleeps_past_the_timeouts_and_ignores_interrupts":
+        assert any("the kernel died in cell 2" in note for note in grade.notes), grade.notes
 
 
 def test_a_cheat_cannot_forge_the_commands_results(user, marks, tmp_path):
