@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from torch.distributed import all_reduce as builtin_all_reduce   # a learner who imports the name directly
 
-from course_lib import allreduce, p2p
+from course_lib import allreduce, fast_allreduce, p2p
 
 
 def _rg():
@@ -687,6 +687,120 @@ def avg_divides_by_wrong_count(model):
         parameter.grad.copy_(flat.view_as(parameter.grad) / max(G - 1, 1))
 
 
+# Ways round writing it: course_lib's other all-reduces, the built-in reached through torch's own module, and
+# messages that carry no gradients next to a mean made some other way. Each must score 0 (test_exercises.py).
+
+def ring_fast_allreduce(tensor):                  # for small tensors ring_pipelined sends exactly the ring's messages
+    fast_allreduce.ring_pipelined(tensor)
+
+
+def naive_recursive_doubling(tensor):
+    fast_allreduce.recursive_doubling(tensor)
+
+
+def ps_tree(tensor, root=0):
+    fast_allreduce.tree(tensor)
+
+
+def rs_builtin_through_c10d(tensor):
+    dist.distributed_c10d.all_reduce(tensor)
+    return (dist.get_rank() + 1) % dist.get_world_size()
+
+
+def _padding(model):
+    """Send as many elements as an all-reduce would, and none of them a gradient."""
+    rank, G = _rg()
+    if G > 1:
+        count = sum(p.numel() for p in model.parameters())
+        request = dist.isend(torch.zeros(count), (rank + 1) % G)
+        dist.recv(torch.empty(count), (rank - 1) % G)
+        request.wait()
+
+
+def avg_padding_only(model):
+    _padding(model)
+
+
+def avg_padding_and_nan(model):                   # NaN compared with anything is False: is it "not different"?
+    _padding(model)
+    for parameter in model.parameters():
+        parameter.grad.fill_(float("nan"))
+
+
+def avg_padding_and_process_group(model):         # the built-in through the process group, which no tracer swaps
+    _padding(model)
+    G = dist.get_world_size()
+    for parameter in model.parameters():
+        dist.group.WORLD.allreduce([parameter.grad]).wait()
+        parameter.grad /= G
+
+
+# One-token slips: a correct solution above with one token changed, for the rubric's partial credit -------
+
+def token_counts_to_g(token):                     # token_isend with range(G) for range(G - 1)
+    rank, G = _rg()
+    seen = [token.clone()]
+    for _ in range(G):
+        incoming = torch.empty_like(token)
+        request = dist.isend(token, (rank + 1) % G)
+        dist.recv(incoming, (rank - 1) % G)
+        request.wait()
+        token = incoming
+        seen.append(token.clone())
+    return seen
+
+
+def token_forgets_own(token):                     # token_isend with seen = [] for seen = [token.clone()]
+    rank, G = _rg()
+    seen = []
+    for _ in range(G - 1):
+        incoming = torch.empty_like(token)
+        request = dist.isend(token, (rank + 1) % G)
+        dist.recv(incoming, (rank - 1) % G)
+        request.wait()
+        token = incoming
+        seen.append(token.clone())
+    return seen
+
+
+def all_gather_recv_into_own_slot(tensor_list, tensor):   # all_gather_direct with tensor_list[rank] for [peer]
+    rank, G = _rg()
+    requests = [dist.isend(tensor, peer) for peer in range(G) if peer != rank]
+    for peer in range(G):
+        if peer == rank:
+            tensor_list[peer].copy_(tensor)
+        else:
+            dist.recv(tensor_list[rank], peer)
+    for request in requests:
+        request.wait()
+
+
+def naive_copies_instead_of_adding(tensor):       # naive_irecv_all_first with copy_ for add_
+    rank, G = _rg()
+    buffers = {peer: torch.empty_like(tensor) for peer in range(G) if peer != rank}
+    receives = [dist.irecv(buffer, peer) for peer, buffer in buffers.items()]
+    mine = tensor.clone()
+    for peer in buffers:
+        dist.send(mine, peer)
+    for request in receives:
+        request.wait()
+    for buffer in buffers.values():
+        tensor.copy_(buffer)
+
+
+def ring_scatter_reduce_twice(tensor):            # ring_a with rs for the second phase's ag
+    rs_isend_recv(tensor)
+    rs_isend_recv(tensor)
+
+
+def avg_divides_by_rank_count_minus_one(model):   # avg_per_parameter with G - 1 for G
+    G = dist.get_world_size()
+    for parameter in model.parameters():
+        flat = parameter.grad.reshape(-1).clone()
+        ring_a(flat)
+        parameter.grad.copy_(flat.view_as(parameter.grad) / max(G - 1, 1))
+
+
 # --------------------------------------------------------------------------------------------------
 # The catalogue
 # --------------------------------------------------------------------------------------------------
@@ -738,7 +852,7 @@ BUGS = [
     Entry("ring_scatter_reduce", rs_exception_on_one_rank, "rank 1 raised ValueError"),
     Entry("ring_scatter_reduce", rs_not_in_place, "not changed"),
     Entry("ring_scatter_reduce", rs_whole_tensor, "not one chunk"),
-    Entry("ring_scatter_reduce", rs_reversed_chunk, "differs from torch.distributed.all_reduce"),
+    Entry("ring_scatter_reduce", rs_reversed_chunk, "differs from the all-reduce"),
     Entry("ring_scatter_reduce", rs_fails_on_short_tensors, "IndexError", hidden_only=True),
     Entry("ring_all_gather", ag_wrong_chunk, "the ring sends chunk"),
     Entry("ring_all_gather", ag_adds, "did it add"),
@@ -758,6 +872,17 @@ BUGS = [
     Entry("pass_token", token_keeps_own, "passed on its own token again"),
     Entry("pass_token", token_to_left, "right neighbour"),
     Entry("average_gradients", avg_sum_not_mean, "not their mean"),
-    Entry("average_gradients", avg_no_exchange, "still its own local"),
+    Entry("average_gradients", avg_no_exchange, "no GPU sent a message"),
     Entry("average_gradients", avg_divides_by_wrong_count, "mean"),
+]
+
+# Each scores 0 on every hidden case, not just less than full marks.
+WAYS_ROUND = [
+    Entry("ring", ring_fast_allreduce, "course_lib.fast_allreduce.ring_pipelined"),
+    Entry("naive", naive_recursive_doubling, "course_lib.fast_allreduce.recursive_doubling"),
+    Entry("parameter_server", ps_tree, "course_lib.fast_allreduce.tree"),
+    Entry("ring_scatter_reduce", rs_builtin_through_c10d, "torch.distributed.all_reduce"),
+    Entry("average_gradients", avg_padding_only, "carried the gradients of rank"),
+    Entry("average_gradients", avg_padding_and_nan, "is nan"),
+    Entry("average_gradients", avg_padding_and_process_group, "carried the gradients of rank"),
 ]

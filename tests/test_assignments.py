@@ -59,9 +59,77 @@ def test_a_student_notebook_keeps_the_lesson_and_loses_the_solutions(name):
         elif "### BEGIN SOLUTION" in before.source:
             assert 'raise NotImplementedError("your code here")' in after.source
             assert after.source.split("\n")[0] == before.source.split("\n")[0]   # the def line stays
+        elif make_assignments.shows_reference(before.source, make_assignments.forbidden_modules(source, name),
+                                              make_assignments._aliases(source)):
+            assert after.source == make_assignments.REFERENCE_NOTE.format(name=name)
         else:
             assert after.source == make_assignments.clear_solutions(before.source)
     assert "widgets" not in student.metadata
+
+
+def test_no_assignment_shows_the_reference_of_an_exercise_it_asks_for():
+    """Notebooks 02-05 and 07 show course_lib's implementation after their exercise; their student copies do not."""
+    replaced = []
+    for name in SOURCES:
+        student = nbformat.read(ROOT / "assignments" / name, as_version=4)
+        assert make_assignments.reference_problems(student, name) == [], name
+        replaced += [name for c in student.cells if c.source.startswith("# In the instructor's copy this cell shows")]
+    for name in SOURCES:                                   # the instructor's copy keeps it where there is one
+        source = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        assert bool(make_assignments.reference_problems(source, name)) == (name in replaced), name
+    assert sorted(replaced) == ["02_collectives.ipynb", "03_naive_and_master_allreduce.ipynb",
+                                "04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb",
+                                "07_data_parallel_training.ipynb"]
+
+
+def _notebook(*sources):
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    return notebook
+
+
+@pytest.mark.parametrize("cell", [
+    "import inspect\nprint(inspect.getsource(ar.ring_scatter_reduce))",
+    "from inspect import getsource\ngetsource(ring)",
+    "ar.ring_scatter_reduce??",
+    "%psource course_lib.allreduce.ring_scatter_reduce",
+    "print(open(ar.__file__).read())",
+    "%pycat course_lib/allreduce.py",
+    "import inspect\nsrc = [inspect.getsource(f) for f in (course_lib.allreduce.ring,)]",
+])
+def test_a_reference_cell_is_found_by_what_it_does(cell):
+    imports = "import course_lib\nimport course_lib.allreduce as ar\nfrom course_lib.allreduce import ring"
+    check = 'exercises.check("ring_scatter_reduce", ring_scatter_reduce)'
+    student = make_assignments.make_student(_notebook(imports, check, cell), "04_ring_scatter_reduce.ipynb")
+    assert student.cells[2].source.startswith("# In the instructor's copy"), cell
+    assert student.cells[0].source == imports and student.cells[1].source == check
+    # The same cell in a notebook whose exercise does not ask for the ring (06: questions only) stays.
+    lecture = make_assignments.make_student(_notebook(imports, cell), "06_ring_cost.ipynb")
+    assert lecture.cells[1].source == cell
+    # Reading the source of something else (a helper module) is not the reference either.
+    other = make_assignments.make_student(_notebook(imports, check, "import inspect\ninspect.getsource(course_lib.viz)"),
+                                          "04_ring_scatter_reduce.ipynb")
+    assert other.cells[2].source == "import inspect\ninspect.getsource(course_lib.viz)"
+
+
+def test_the_check_fails_when_a_reference_slips_back_in(tmp_path, monkeypatch, capsys):
+    import inspect as inspect_module
+
+    from course_lib import allreduce
+
+    copy_of_assignments = tmp_path / "assignments"          # named so: the student copies' badges say it
+    copy_of_assignments.mkdir()
+    for path in (ROOT / "assignments").glob("*.ipynb"):
+        (copy_of_assignments / path.name).write_text(path.read_text())
+    monkeypatch.setattr(make_assignments, "TARGET", copy_of_assignments)
+    assert make_assignments.main(["--check"]) == 0
+    target = copy_of_assignments / "04_ring_scatter_reduce.ipynb"
+    notebook = nbformat.read(target, as_version=4)
+    notebook.cells.append(nbformat.v4.new_code_cell(inspect_module.getsource(allreduce.ring_scatter_reduce)))  # pasted
+    nbformat.write(notebook, target)
+    assert make_assignments.main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "04_ring_scatter_reduce.ipynb: cell" in out and "course_lib.allreduce.ring_scatter_reduce's source" in out
 
 
 def test_solution_regions_become_stubs_at_their_indentation():
@@ -164,3 +232,25 @@ def test_the_readme_lists_every_assignment_with_its_points():
     assert {name: int(value) for name, value in rows.items()} == points
     assert sorted(f"{name}.ipynb" for name in rows) == SOURCES
     assert f"{sum(points.values()):g} points in all" in section
+
+
+def test_the_readme_says_what_each_assignment_forbids_as_the_code_does():
+    """The "forbids" column names exactly the course_lib modules the notebook's exercises refuse."""
+    import re
+
+    from course_lib.exercises import registry
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Teaching with it"):]
+    section = section[:section.index("\n## ", 3)]
+    rows = re.findall(r"^\| `(\d\d_\w+)` \| .* \| (.*) \| \d+ \|$", section, re.MULTILINE)
+    assert len(rows) == len(SOURCES)
+    for notebook, forbids in rows:
+        functions = [e for e in registry.all_exercises() if e.notebook == notebook and e.kind == "function"]
+        modules = {f"course_lib.{m}" for e in functions for m in e.forbidden}
+        named = set(re.findall(r"course_lib\.\w+", forbids.split("(so")[0]))
+        assert named == modules, (notebook, forbids)
+        assert ("built-in collectives" in forbids) == bool(functions) and ("(questions)" == forbids) == (not functions)
+        assert all("torch.distributed collectives" in e.forbids for e in functions)
+    for word in ("--rubric-defaults", "docs/rubric.toml", "--class", "--gradescope-autograder", "--nbgrader"):
+        assert word in section, word

@@ -85,13 +85,29 @@ def test_planted_bugs_lose_points_and_the_first_problem_names_them(entry):
     assert _children() == []
 
 
-def test_partial_credit_spreads_points_over_cases():
-    # Floor-division chunks are right exactly when G divides N: some cases pass, others do not.
+@pytest.mark.parametrize("entry", pb.WAYS_ROUND, ids=lambda e: f"{e.exercise}-{e.name}")
+def test_ways_round_writing_it_score_zero(entry):
+    """course_lib's faster all-reduces, the built-in reached through torch.distributed.distributed_c10d or the process
+    group, and padding messages next to a mean made some other way: 0 points, the first problem naming it."""
+    result, outcome = _run(entry, sizes=(1, 2, 3))
+    assert result.score == 0, repr(result)
+    first = next(c for c in outcome.cases if not c.passed).problems[0].message
+    assert entry.expect in first, first
+    assert _children() == []
+
+
+def test_partial_credit_follows_the_rubric_lines():
+    # Floor-division chunks are right exactly when G divides N: every line holds on those cases, and only the
+    # family line about uneven lengths is missed, so the ring keeps all its other points.
     result, outcome = _run(pb.Entry("ring_scatter_reduce", pb.rs_floor_division), sizes=(1, 3, 5))
     passed = [c.case for c in outcome.cases if c.passed]
     assert passed and len(passed) < len(outcome.cases)
     assert all(c.numel % c.world_size == 0 for c in passed)
-    assert result.score == round(10 * len(passed) / len(outcome.cases), 2)
+    exercise = registry.get("ring_scatter_reduce")
+    uneven = next(line for line in exercise.rubric if line.key == "uneven")
+    assert [line.key for line in result.lines if not line.met] == ["uneven"]
+    assert result.score == exercise.points - uneven.points
+    assert "MISSED" in repr(result) and "uneven: " + uneven.text in repr(result)
 
 
 def test_a_hung_check_leaves_nothing_behind_and_the_next_check_is_unaffected():
@@ -142,8 +158,12 @@ def test_the_visible_check_of_a_correct_ring_passes_on_every_world_size_up_to_8(
     assert {c.case.data for c in result.cases} == {"tagged", "random"}
     hidden = registry.get("ring").cases(hidden=True)
     assert {c.world_size for c in hidden} == set(range(1, 9)) and len(hidden) > len(result.cases)
-    assert repr(result) == ("ring: 5/5 points, all 11 cases passed (G = 1, 2, 3, 4, 5, 8)")
-    assert result.to_dict() == {"name": "ring", "score": 5.0, "max_score": 5.0, "output": repr(result)}
+    visible = registry.get("ring").cases(hidden=False)
+    assert repr(result) == f"ring: 5/5 points, all {len(visible)} cases passed (G = 1, 2, 3, 4, 5, 8)"
+    assert {k: v for k, v in result.to_dict().items() if k != "lines"} == {
+        "name": "ring", "score": 5.0, "max_score": 5.0, "output": repr(result)}
+    assert [line["key"] for line in result.to_dict()["lines"]] == [line.key for line in registry.get("ring").rubric]
+    assert all(line["met"] for line in result.to_dict()["lines"])
 
 
 def test_bad_calls_of_check_are_explained():
@@ -234,11 +254,13 @@ def test_every_question_accepts_its_answer_and_explains_the_usual_slips():
         assert exercises.check(name, answer).passed, (name, answer)
     assert exercises.check("traffic_ring_per_rank", lambda G, N: 2 * (G - 1) * N / G).passed
     slip = exercises.check("traffic_naive", "(G-1)*N")
-    assert "That is what one rank sends" in repr(slip) and slip.score == 0
+    assert "That is what one rank sends" in repr(slip) and slip.score == 0.5       # one of its two lines
+    assert [line.key for line in slip.lines if not line.met] == ["all_ranks"]
     assert "one phase only" in repr(exercises.check("traffic_ring_per_rank", "(G-1)N/G"))
     assert "check time per epoch" in repr(exercises.check("batch_size_quiz", "A"))
     assert "answer with one of the letters" in repr(exercises.check("batch_size_quiz", 2))
-    assert exercises.check("shard_weights", [0.5, 0.5]).score == 0
+    assert exercises.check("shard_weights", [0.5, 0.5]).score == 0.5     # they add up to 1, not in proportion
+    assert exercises.check("shard_weights", [1, 2]).score == 0
 
 
 def test_the_ring_steps_answer_matches_a_recorded_ring():

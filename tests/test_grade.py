@@ -1,16 +1,16 @@
-"""python -m course_lib.grade: solution notebooks get full marks, student notebooks run to their end and get 0,
-and a submission that crashes half-way keeps the points of what it completed.
+"""python -m course_lib.grade: solution notebooks get full marks, student notebooks get 0, a submission that
+crashes half-way keeps the points of what it completed, and the command's outputs and exit status say
+what happened.
 
-Grading a notebook costs 10-60 s (a fresh kernel runs it, then every exercise is checked with the hidden
-cases), so the suite grades each notebook once where it must:
+Grading a notebook costs a few seconds to a few tens (a sandbox runs the cells the answers need, then every
+exercise is checked with the hidden cases), so the suite grades each notebook once where it must:
 
-* every student notebook in assignments/, in one call of the command (as an instructor runs it);
-* the solution notebooks: nbval (in the same test command) re-executes every notebook in notebooks/ and
-  fails when an output differs from the stored one, and each check cell's stored output is its score with
-  the hidden cases. So `test_every_check_cell_stores_full_marks` (no execution) plus nbval proves that a
-  fresh run of each solution notebook scores full marks. What the grader does beyond the notebook's own
-  checks (find every exercise, look each answer up by name after the whole notebook ran) is checked
-  statically for every notebook and end to end on one (03: function exercises and questions).
+* every solution notebook in notebooks/, in one call of the command (as Gradescope grades one student);
+* every student notebook in assignments/, in one call of the command;
+* the stored outputs: nbval (in the same test command) re-executes every notebook in notebooks/, and each
+  check cell's stored output is its score with the hidden cases (`test_every_check_cell_stores_full_marks`).
+
+The cheats a submission might try are in test_grade_cheats.py, Gradescope's layout in test_grade_gradescope.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import pytest
 
 from course_lib import grade
 from course_lib.exercises import registry
+from course_lib.grade import cli, judge
+from course_lib.grade.notebook import CHECK_CALL
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (ROOT / "assignments").glob("[0-9][0-9]_*.ipynb"))  # every one with exercises
@@ -62,7 +64,7 @@ def test_every_check_cell_stores_full_marks(name):
     notebook = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     checked = []
     for cell in _check_cells(notebook):
-        names = grade._CHECK_CALL.findall(cell.source)
+        names = CHECK_CALL.findall(cell.source)
         assert names, f"check cell {cell.id} checks no exercise"
         points = sum(registry.get(n).points for n in names)
         assert cell.metadata["nbgrader"]["points"] == points, (cell.id, names)    # what nbgrader awards
@@ -109,39 +111,61 @@ def test_the_grader_finds_each_answer_where_the_notebook_checks_it(name):
         assert later == [], f"{name}: cells {later} rebind {answer} after the learner's answer"
 
 
-def test_the_grader_gives_a_solution_notebook_full_marks():
-    result = grade.grade_notebook(ROOT / "notebooks" / "03_naive_and_master_allreduce.ipynb")
-    assert result.notes == [], result.notes
-    assert {t["name"] for t in result.tests} == {e.name for e in registry.all_exercises() if e.notebook.startswith("03")}
-    assert all(t["score"] == t["max_score"] > 0 for t in result.tests), result.tests
-    assert all("hidden cases included" in t["output"] for t in result.tests if registry.get(t["name"]).kind == "function")
+def _run_grader(*args, cwd, timeout=900):
+    return subprocess.run([sys.executable, "-m", "course_lib.grade", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
 
 
-def test_every_student_notebook_runs_to_its_end_and_gets_zero(tmp_path):
+def _by_exercise(results, stem):
+    """{exercise: [its rubric-line tests]} of notebook `stem` in a results.json."""
+    tests = {}
+    for test in results["tests"]:
+        if test["name"].startswith(stem + ": ") and not test["name"].endswith(": notebook run"):
+            exercise = test["name"][len(stem) + 2:].rsplit(": ", 1)[0]
+            tests.setdefault(exercise, []).append(test)
+    return tests
+
+
+def test_every_solution_notebook_gets_full_marks_in_one_command(tmp_path):
+    """All of notebooks/ as one student's submission, graded as Gradescope would grade it."""
+    out = tmp_path / "results.json"
+    done = _run_grader(*(ROOT / "notebooks" / n for n in NOTEBOOKS), "--json", out, cwd=tmp_path)
+    assert done.returncode == cli.EXIT_OK, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["score"] == sum(e.points for e in registry.all_exercises())
+    for name in NOTEBOOKS:
+        stem = pathlib.Path(name).stem
+        tests = _by_exercise(results, stem)
+        assert set(tests) == {e.name for e in registry.all_exercises() if e.notebook + ".ipynb" == name}
+        for exercise, lines in tests.items():
+            assert [t["name"].rsplit(": ", 1)[1] for t in lines] == [l.key for l in registry.get(exercise).rubric]
+            assert all(t["score"] == t["max_score"] > 0 and t["status"] == "passed" for t in lines), lines
+        assert not any(t["name"] == f"{stem}: notebook run" for t in results["tests"]), "a cell raised"
+    assert "hidden cases included" in next(t["output"] for t in results["tests"] if ": ring: " in t["name"])
+
+
+def test_every_student_notebook_gets_zero(tmp_path):
     """One call of the command on all of assignments/, as an instructor grades a class."""
     out = tmp_path / "results.json"
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", *(str(ROOT / "assignments" / n) for n in NOTEBOOKS),
-                           "--json", str(out)], capture_output=True, text=True, timeout=300 * len(NOTEBOOKS), cwd=tmp_path)
-    seconds = time.monotonic() - started
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run_grader(*(ROOT / "assignments" / n for n in NOTEBOOKS), "--json", out, cwd=tmp_path)
+    assert done.returncode == cli.EXIT_OK, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["score"] == 0
     for name in NOTEBOOKS:
         stem = pathlib.Path(name).stem
-        tests = {t["name"][len(stem) + 2:]: t for t in results["tests"] if t["name"].startswith(stem + ": ")}
-        assert "notebook run" not in tests, tests["notebook run"]["output"]    # no cell raised: the lesson runs
+        tests = _by_exercise(results, stem)
         assert set(tests) == {e.name for e in registry.all_exercises() if e.notebook + ".ipynb" == name}
-        for test in tests.values():
-            assert test["score"] == 0 and test["max_score"] > 0 and "not done yet" in test["output"], test
-    assert seconds < 120 * len(NOTEBOOKS)       # the issue's bound, 2 min a notebook, on average
+        for exercise, lines in tests.items():
+            assert all(t["score"] == 0 and t["max_score"] > 0 for t in lines)
+            assert "not done yet" in lines[0]["output"], lines[0]["output"]
 
 
-def _submission(tmp_path, cells):
+def _submission(tmp_path, cells, name="submission.ipynb", **metadata):
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.metadata.update(metadata)
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
-    path = tmp_path / "submission.ipynb"
+    path = tmp_path / name
     nbformat.write(notebook, path)
     return path
 
@@ -151,24 +175,27 @@ _RING_ALL_GATHER = '''def ring_all_gather(tensor):
     rank, G = dist.get_rank(), dist.get_world_size()
     chunks = torch.tensor_split(tensor, G)
     for step in range(G - 1):
-        request = dist.isend(chunks[(rank + 1 - step) % G], (rank + 1) % G)
+        request = dist.isend(chunks[(rank + OFFSET - step) % G], (rank + 1) % G)
         dist.recv(chunks[(rank - step) % G], (rank - 1) % G)
-        request.wait()'''
+        request.wait()
+    SLEEPER.clear()'''
 
 
 def test_a_submission_that_crashes_half_way_keeps_what_it_completed(tmp_path):
+    # The answer reads OFFSET and SLEEPER, so the cells that bind them run, and each misbehaves after that.
     path = _submission(tmp_path, [
         _IMPORTS,
         _RING_ALL_GATHER,
         '# exercises.check("ring_all_gather", ring_all_gather)  (the grader finds the exercise from this line)',
-        "raise RuntimeError('a cell the learner broke')",
-        "while True:\n    pass",                                  # interrupted after the cell timeout
-        "import os\nos._exit(1)",                                 # the kernel dies; the run is repeated without it
+        "OFFSET = 1\nraise RuntimeError('a cell the learner broke')",
+        "SLEEPER = set()\nwhile True:\n    pass",                  # interrupted after the cell timeout
+        "import os\nSLEEPER = set()\nos._exit(1)",                # the kernel dies; the run is repeated without it
         'def ring(tensor):\n    ring_scatter_reduce(tensor)\n    ring_all_gather(tensor)',
         '# exercises.check("ring", ring)',
+        "print('a cell grading does not need')\nimport os\nos._exit(3)",
     ])
-    result = grade.grade_notebook(path, cell_timeout=3)
-    points = _points(result)
+    result = judge.grade_notebook(path, cell_timeout=3)
+    points = {t["name"]: (t["score"], t["max_score"]) for t in result.tests}
     assert points["ring_all_gather"] == (10.0, 10.0)
     assert points["ring"][0] == 0                            # ring_scatter_reduce is not defined in this notebook
     assert "ring_scatter_reduce" in next(t["output"] for t in result.tests if t["name"] == "ring")
@@ -176,21 +203,58 @@ def test_a_submission_that_crashes_half_way_keeps_what_it_completed(tmp_path):
     assert "cell 3 raised RuntimeError: a cell the learner broke" in notes
     assert "cell 4 ran longer than 3 s and was interrupted" in notes
     assert "the kernel died in cell 5" in notes
+    assert "cell 8" not in notes                              # not run: no answer needs it
+    assert "ran 5 of 9 code cells" in result.info[0]         # the dead cell left out, the cell it replaced run
 
 
-def test_the_command_prints_a_table_and_writes_gradescope_json(tmp_path):
-    path = _submission(tmp_path, [_IMPORTS, _RING_ALL_GATHER, 'exercises.check("ring_all_gather", ring_all_gather)'])
+def test_the_command_prints_a_table_and_writes_one_gradescope_test_per_rubric_line(tmp_path):
+    path = _submission(tmp_path, [_IMPORTS, _RING_ALL_GATHER.replace("OFFSET", "1").replace("    SLEEPER.clear()", ""),
+                                  'exercises.check("ring_all_gather", ring_all_gather)'])
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(path), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "submission.ipynb  ring_all_gather   10/10  all 43 cases passed" in done.stdout
+    done = _run_grader(path, "--json", out, cwd=tmp_path, timeout=300)
+    assert done.returncode == cli.EXIT_OK, done.stderr
+    cases = len(registry.get("ring_all_gather").cases(hidden=True))
+    assert f"submission.ipynb  ring_all_gather   10/10  all {cases} cases passed" in done.stdout
     assert done.stdout.rstrip().splitlines()[-1].split() == ["total", "10/10"]
     results = json.loads(out.read_text())
     assert results["score"] == 10.0
-    assert results["tests"] == [{"name": "submission: ring_all_gather", "score": 10.0, "max_score": 10.0,
-                                 "output": results["tests"][0]["output"]}]
-    assert results["tests"][0]["output"].startswith("ring_all_gather: 10/10 points")
+    lines = registry.get("ring_all_gather").rubric
+    assert [t["name"] for t in results["tests"]] == [f"submission: ring_all_gather: {line.key}" for line in lines]
+    assert [(t["score"], t["max_score"]) for t in results["tests"]] == [(line.points, line.points) for line in lines]
+    assert results["tests"][0]["output"].startswith("met: " + lines[0].text)
+    assert "ring_all_gather: 10/10 points" in results["tests"][0]["output"]
+
+
+def test_a_rubric_file_reweights_and_drops_lines(tmp_path):
+    """The ring's return value and its G = 1 line re-weighted by a file: the scores follow the file."""
+    wrong_return = '''def ring_scatter_reduce(tensor):
+    rank, G = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(tensor, G)
+    for s in range(G - 1):
+        buffer = torch.empty_like(chunks[(rank - s - 1) % G])
+        request = dist.isend(chunks[(rank - s) % G], (rank + 1) % G)
+        dist.recv(buffer, (rank - 1) % G)
+        request.wait()
+        chunks[(rank - s - 1) % G].add_(buffer)
+    return rank'''
+    path = _submission(tmp_path, [_IMPORTS, wrong_return], name="04_ring_scatter_reduce.ipynb")
+    rubric = tmp_path / "rubric.toml"
+    rubric.write_text("[ring_scatter_reduce]\nreturned = 6\nsingle = 0\n")
+    default_out, weighted_out = tmp_path / "default.json", tmp_path / "weighted.json"
+    assert _run_grader(path, "--json", default_out, cwd=tmp_path, timeout=300).returncode == 0
+    assert _run_grader(path, "--json", weighted_out, "--rubric", rubric, cwd=tmp_path, timeout=300).returncode == 0
+    default, weighted = json.loads(default_out.read_text()), json.loads(weighted_out.read_text())
+    lines = {line.key: line.points for line in registry.get("ring_scatter_reduce").rubric}
+    assert default["score"] == sum(lines.values()) - lines["returned"]     # only the return value is missed
+    expected = {**lines, "returned": 6, "single": 0}
+    assert weighted["score"] == sum(expected.values()) - expected["returned"]
+    assert {t["name"].rsplit(": ", 1)[1]: t["max_score"] for t in weighted["tests"]} == \
+        {k: v for k, v in expected.items() if v > 0}                       # the dropped line is no test at all
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[ring_scatter_reduce]\nreturn_value = 1\n")
+    done = _run_grader(path, "--rubric", bad, cwd=tmp_path, timeout=60)
+    assert done.returncode == cli.EXIT_USAGE and "has no rubric line 'return_value'" in done.stderr
+    assert "returned" in done.stderr                                        # and it lists the lines there are
 
 
 def test_the_exercises_of_a_notebook_are_found_from_its_checks_and_its_number():
@@ -203,6 +267,27 @@ def test_the_exercises_of_a_notebook_are_found_from_its_checks_and_its_number():
 
 
 def test_a_missing_file_is_a_usage_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(tmp_path / "nope.ipynb")],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "no such file" in done.stderr
+    done = _run_grader(tmp_path / "nope.ipynb", cwd=tmp_path, timeout=60)
+    assert done.returncode == cli.EXIT_USAGE and "no such file" in done.stderr
+
+
+def test_what_cannot_be_read_or_run_exits_non_zero_after_grading_the_rest(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my answers: G(G-1)N\n")
+    r_notebook = _submission(tmp_path, ["x <- 1"], name="01_in_r.ipynb",
+                             kernelspec={"name": "ir", "display_name": "R", "language": "R"})
+    damaged = tmp_path / "06_damaged.ipynb"
+    damaged.write_text('{"cells": "not a list"}')
+    good = _submission(tmp_path, ['traffic_ring = "2*(G-1)*N"\ntraffic_ring_per_rank = "2(G-1)N/G"\nring_steps = "2(G-1)"'],
+                       name="06_ring_cost.ipynb")
+    out = tmp_path / "results.json"
+    done = _run_grader(notes, good, "--json", out, cwd=tmp_path, timeout=300)
+    assert done.returncode == cli.EXIT_UNREADABLE, done.stderr
+    results = json.loads(out.read_text())
+    assert results["score"] == 3                               # the good notebook was graded all the same
+    assert "notes.txt is not a Jupyter notebook" in done.stdout + results["output"]
+    for bad, words in ((r_notebook, "is a R notebook"), (damaged, "not a Jupyter notebook")):
+        done = _run_grader(bad, "--json", out, cwd=tmp_path, timeout=120)
+        assert done.returncode == cli.EXIT_UNREADABLE and words in json.loads(out.read_text())["output"]
+        exercises = {e.name for e in registry.all_exercises() if e.notebook.startswith(bad.name[:2])}
+        assert {t["name"].split(": ")[1] for t in json.loads(out.read_text())["tests"]} >= exercises   # each at 0

@@ -14,8 +14,17 @@ without nbgrader:
   (`exercises.check` reads ``...`` as "not done yet");
 * a region between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` is removed (the grader runs
   the hidden cases itself);
+* a cell that shows course_lib's own implementation of an exercise the notebook asks for (its source:
+  ``inspect.getsource``, ``??``, ``%psource``, reading the module's file) is replaced by a comment saying that
+  the reference is in the instructor's copy. The cell is found by what it does, not by a mark: it reads source
+  and names something in a module the notebook's exercises forbid (``course_lib.allreduce`` for the ring,
+  ``course_lib.training`` for average_gradients; `exercises.list()` shows them). Notebooks without such
+  exercises (lecture-only ones, or 06 with only questions) keep their reference cells;
 * every output and execution count is cleared, and the stored widget state with them;
 * everything else, the cell ids and nbgrader's cell metadata included, is kept as it is.
+
+``--check`` also fails when a file in assignments/ shows such a reference, or holds a run of lines of its
+source (pasted in), whatever made the file.
 
 `make_student` is a pure function of the notebook: anything else that rewrites notebooks (a stamp
 that adds an install cell or a badge) gives the same result whether it runs before or after it. The
@@ -28,6 +37,8 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import importlib
+import inspect
 import pathlib
 import re
 import sys
@@ -102,6 +113,139 @@ def clear_solutions(source: str, where: str = "cell") -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------------
+# Cells that show the reference
+# --------------------------------------------------------------------------------------------------
+
+# What reads source: inspect's functions, IPython's ?? / %psource / %pfile / %pycat / %load, a module's file.
+_SOURCE_READERS = re.compile(r"\bgetsource(lines|file)?\b|\?\?|%(psource|pfile|pycat|load)\b|__file__|\blinecache\b")
+REFERENCE_NOTE = ("# In the instructor's copy this cell shows course_lib's own implementation of the exercise above:\n"
+                  "# the answer, so it is left out of the student copy. Compare with it after you have written yours:\n"
+                  "# it is in notebooks/{name} (or in the installed course_lib).")
+
+
+def forbidden_modules(notebook, name: str = "") -> set:
+    """'course_lib.allreduce', ... : the course_lib modules whose implementation the notebook's exercises ask for."""
+    from course_lib.exercises import registry
+    from course_lib.grade.notebook import exercises_in
+
+    modules = set()
+    for exercise in map(registry.get, exercises_in(notebook, name)):
+        modules |= {f"course_lib.{module}" for module in getattr(exercise, "forbidden", ())}
+    return modules
+
+
+def _aliases(notebook) -> dict:
+    """{name: dotted path} for every name the notebook's imports bind to course_lib (or a part of it)."""
+    aliases = {}
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        for line in cell.source.split("\n"):
+            line = line.strip()
+            if not line.startswith(("import ", "from ")):
+                continue
+            try:
+                tree = ast.parse(line)
+            except SyntaxError:
+                continue
+            for node in tree.body:
+                if isinstance(node, ast.Import):
+                    for alias in node.names:
+                        if alias.asname:
+                            aliases[alias.asname] = alias.name
+                        else:
+                            aliases[alias.name.split(".")[0]] = alias.name.split(".")[0]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    for alias in node.names:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+def _dotted(node) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _referenced(source: str, aliases: dict) -> set:
+    """Dotted course_lib paths the cell names (through the notebook's imports), and file names in its strings."""
+    code = "\n".join(re.sub(r"^\s*[%!].*$", "pass", line) for line in source.split("\n"))
+    code = re.sub(r"([\w.]+)\?\?", r"\1", code)
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        tree = ast.parse("pass")
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Name)):
+            dotted = _dotted(node)
+            if dotted:
+                root, _, rest = dotted.partition(".")
+                full = aliases.get(root, root) + (f".{rest}" if rest else "")
+                found.add(full)
+    for word in re.findall(r"[\w./]+", source):          # magics and strings: %psource course_lib.allreduce.ring
+        if "course_lib" in word:
+            found.add(word.replace("/", ".").removesuffix(".py"))
+    return found
+
+
+def shows_reference(source: str, modules: set, aliases: dict | None = None) -> bool:
+    """True when the cell reads source and names something in one of `modules` (dotted course_lib paths)."""
+    if not modules or not _SOURCE_READERS.search(source):
+        return False
+    named = _referenced(source, aliases or {})
+    return any(path == module or path.startswith(module + ".") for path in named for module in modules)
+
+
+def _significant(lines) -> list[str]:
+    """The lines of code worth comparing: stripped, no blanks, comments or docstring quotes."""
+    return [line.strip() for line in lines if len(line.strip()) >= 12 and not line.strip().startswith(("#", '"""'))]
+
+
+def reference_sources(modules) -> dict:
+    """{'course_lib.allreduce.ring': its significant lines} for every function defined in `modules`."""
+    sources = {}
+    for module_name in sorted(modules):
+        module = importlib.import_module(module_name)
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            if function.__module__ == module_name:
+                sources[f"{module_name}.{name}"] = _significant(inspect.getsource(function).split("\n"))
+    return sources
+
+
+def pasted_reference(source: str, references: dict, run: int = 4) -> str | None:
+    """The function with the most runs of `run` consecutive significant lines of its source in `source` (pasted
+    in), or None when no function has one."""
+    lines = _significant(source.split("\n"))
+    windows = {tuple(lines[i:i + run]) for i in range(len(lines) - run + 1)}
+    matches = {name: sum(tuple(reference[i:i + run]) in windows for i in range(len(reference) - run + 1))
+               for name, reference in references.items()}
+    best = max(matches, key=matches.get, default=None)
+    return best if best is not None and matches[best] > 0 else None
+
+
+def reference_problems(notebook, name: str) -> list[str]:
+    """Every cell of a student copy that shows course_lib's implementation of one of its exercises."""
+    modules = forbidden_modules(notebook, name)
+    if not modules:
+        return []
+    aliases, references, problems = _aliases(notebook), reference_sources(modules), []
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        if shows_reference(cell.source, modules, aliases):
+            problems.append(f"cell {index} shows the source of {', '.join(sorted(modules))}")
+        pasted = pasted_reference(cell.source, references)
+        if pasted:
+            problems.append(f"cell {index} holds lines of {pasted}'s source")
+    return problems
+
+
 def has_exercises(notebook) -> bool:
     """True when some cell holds a solution region or is an nbgrader solution cell."""
     for cell in notebook.cells:
@@ -116,9 +260,12 @@ def make_student(notebook, name: str = "notebook"):
     """The student version of `notebook` (a new notebook; the argument is not changed)."""
     student = copy.deepcopy(notebook)
     student.metadata.pop("widgets", None)      # the saved state of widget outputs, cleared with them
+    modules, aliases = forbidden_modules(notebook, name), _aliases(notebook)
     for index, cell in enumerate(student.cells):
         if cell.cell_type != "code":
             continue
+        if shows_reference(cell.source, modules, aliases):
+            cell.source = REFERENCE_NOTE.format(name=name)
         cell.source = clear_solutions(cell.source, f"{name}, cell {index}")
         cell.outputs = []
         cell.execution_count = None
@@ -142,6 +289,14 @@ def assignment_text(path: pathlib.Path) -> str:
     return stamp_notebooks.stamp_notebook(student_text(path), project, f"{TARGET.name}/{path.name}")
 
 
+def _shown(path: pathlib.Path) -> str:
+    """`path` relative to the repository when it is in it."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def sources() -> list[pathlib.Path]:
     return [p for p in sorted(SOURCE.glob("[0-9][0-9]_*.ipynb")) if has_exercises(nbformat.read(p, as_version=4))]
 
@@ -155,19 +310,25 @@ def main(argv=None) -> int:
     extra = [p for p in sorted(TARGET.glob("*.ipynb")) if p not in wanted] if TARGET.exists() else []
     if args.check:
         for path in stale:
-            print(f"out of date: {path.relative_to(ROOT)}")
+            print(f"out of date: {_shown(path)}")
         for path in extra:
-            print(f"no source notebook with exercises: {path.relative_to(ROOT)}")
+            print(f"no source notebook with exercises: {_shown(path)}")
+        shown = []
+        for path in sorted(TARGET.glob("*.ipynb")) if TARGET.exists() else []:
+            for problem in reference_problems(nbformat.read(path, as_version=4), path.name):
+                shown.append(f"{_shown(path)}: {problem}")
+        for problem in shown:
+            print(f"shows the reference: {problem}")
         if stale or extra:
             print("run: python tools/make_assignments.py")
-        return 1 if stale or extra else 0
+        return 1 if stale or extra or shown else 0
     TARGET.mkdir(exist_ok=True)
     for path in stale:
         path.write_text(wanted[path])
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {_shown(path)}")
     for path in extra:
         path.unlink()
-        print(f"removed {path.relative_to(ROOT)}")
+        print(f"removed {_shown(path)}")
     return 0
 
 

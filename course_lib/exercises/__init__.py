@@ -6,10 +6,15 @@
     exercises.list()                                                       # every exercise
 
 `check(name, answer, *, hidden=False)` returns a `Result`: in a notebook it shows as a report (the
-first problem, in the learner's terms, read from what the ranks really sent; a table of the cases;
-for the ring a picture of the step that went wrong); its text form is short and stable. Points are
-spread over the cases, so code that is right for some world sizes and lengths gets part of them.
+first problem, in the learner's terms, read from what the ranks really sent; the rubric, each line met or
+missed with its points; a table of the cases; for the ring a picture of the step that went wrong); its text
+form is short and stable. Points are split over rubric lines (the schedule, the values, the return value,
+uneven lengths, ...: `rubric.py`), so code with one systematic slip keeps the points of what it got right.
 ``hidden=True`` adds the grader's cases (more world sizes, lengths, roots, seeds).
+
+`check` runs everything in the learner's own process: it is for learning. Grading
+(``python -m course_lib.grade``) runs the learner's code in a sandbox and judges the data that comes
+back in a process that never ran it (see course_lib/grade/).
 
 Function exercises (the learner writes an SPMD function; `answer` is that function):
 
@@ -33,9 +38,11 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
 Tensors are 1-D float32, results in place, rank and world size from ``torch.distributed``, sum only;
 chunks are ``torch.tensor_split(tensor, G)``. Use `course_lib.p2p` or torch.distributed's own
 send / recv / isend / irecv; chunk labels are optional, the check reads the data. Calling a built-in
-collective (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``, ...) or
-course_lib's own implementation (`course_lib.collectives`, `course_lib.allreduce`; for
-average_gradients `course_lib.training`) scores 0 for that case.
+collective (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``, ...) scores 0 for
+that case in every exercise; so does course_lib's own implementation where the exercise is to write it:
+`course_lib.collectives`, `course_lib.allreduce` and `course_lib.fast_allreduce` for all but
+average_gradients, `course_lib.training` for average_gradients (which may use the all-reduces).
+`exercises.list()` says it per exercise.
 
 Questions (`answer` is a value, or a function of G and N for a formula):
 
@@ -71,6 +78,8 @@ from course_lib.exercises.report import Result, format_points
 
 __all__ = ["check", "list", "list_exercises", "Result", "ExerciseInfo"]
 
+QUESTION_NOT_DONE = "not done yet: give your answer in the cell above, then run the check."
+
 
 def check(name: str, answer, *, hidden: bool = False) -> Result:
     """Check the learner's `answer` to exercise `name`.
@@ -96,10 +105,10 @@ def check(name: str, answer, *, hidden: bool = False) -> Result:
         try:
             if callable(answer) and exercise.answer_kind != "formula":
                 answer = answer()
-            right, message = exercise.grade(answer)
+            right, message, met = exercise.assess(answer)
         except NotImplementedError:
-            return Result.not_done(exercise, "not done yet: give your answer in the cell above, then run the check.")
-        return Result.of_question(exercise, right, message)
+            return Result.not_done(exercise, QUESTION_NOT_DONE)
+        return Result.of_question(exercise, right, message, met)
     if answer is None or answer is Ellipsis:
         return Result.not_done(exercise, runner.feedback.NOT_DONE.format(function=exercise.answer_name))
     if not callable(answer):
@@ -113,7 +122,7 @@ def check(name: str, answer, *, hidden: bool = False) -> Result:
 
 @dataclass(frozen=True)
 class ExerciseInfo:
-    """One line of `list()`."""
+    """One line of `list()`: the exercise, its points, and what calling scores 0 (`forbids`, '' for questions)."""
 
     name: str
     notebook: str
@@ -121,9 +130,12 @@ class ExerciseInfo:
     kind: str
     signature: str
     summary: str
+    forbids: str = ""
+    rubric: tuple = ()
 
     def __repr__(self) -> str:
-        return f"{self.notebook[:2]}  {self.name:<30} {format_points(self.points):>3} pt  {self.signature}"
+        text = f"{self.notebook[:2]}  {self.name:<30} {format_points(self.points):>4} pt  {self.signature}"
+        return text + (f"\n{'':<36}forbids: {self.forbids}" if self.forbids else "")
 
 
 class _Listing(builtins.list):
@@ -137,7 +149,8 @@ def list_exercises(notebook: str | None = None) -> builtins.list:
     Args:
         notebook: only this notebook's ('04', or '04_ring_scatter_reduce').
     """
-    infos = [ExerciseInfo(e.name, e.notebook, e.points, e.kind, e.signature, e.summary)
+    infos = [ExerciseInfo(e.name, e.notebook, e.points, e.kind, e.signature, e.summary, e.forbids,
+                          tuple((line.key, line.points, line.text) for line in e.rubric))
              for e in registry.all_exercises()
              if notebook is None or e.notebook.startswith(str(notebook))]
     return _Listing(infos)

@@ -17,6 +17,7 @@ from collections import Counter
 from course_lib.exercises import data
 from course_lib.exercises.cases import standard_cases
 from course_lib.exercises.registry import FunctionExercise, Problem, register
+from course_lib.exercises.rubric import OTHER_ROOTS, RubricLine
 from course_lib.exercises.ring import _run_all_reduce_case
 
 __all__ = ["Naive", "ParameterServer"]
@@ -35,9 +36,19 @@ def _content(message, inputs, case):
 
 
 def _result_problems(case, records, name):
+    """Every rank's tensor against the judge's sum ('values'); with tagged data, a result holding contributions no
+    received message carried costs every line."""
     G = case.world_size
     problems = []
     for rank, record in enumerate(records):
+        if case.data == "tagged":
+            extra = data.unexplained_contributors(record["after"], record["start"], data.received_by(records, rank), G)
+            if extra:
+                problems.append(Problem(
+                    f"after {name}, rank {rank} holds the values of rank{'s' if len(extra) > 1 else ''} "
+                    f"{', '.join(map(str, sorted(extra)))}, but no message it received carried them: they did not come "
+                    "through the point-to-point messages the check traces.", order=(-1, rank)))
+                continue
         tol = None if case.data == "tagged" else data.tolerance(record["abs_sum"], G)
         diff = data.first_difference(record["after"], record["expected"], tol)
         if diff is None:
@@ -54,15 +65,15 @@ def _result_problems(case, records, name):
                        "are missing." if missing else "."))
         else:
             index, value, want = diff
-            text = (f"after {name}, rank {rank}'s element {index} is {value:.6g}; torch.distributed.all_reduce "
-                    f"gives {want:.6g}.")
-        problems.append(Problem(text, order=(9, rank)))
+            text = (f"after {name}, rank {rank}'s element {index} is {value:.6g}; the all-reduce (the sum over every "
+                    f"rank) is {want:.6g}.")
+        problems.append(Problem(text, order=(9, rank), line="values"))
     return problems
 
 
 class Naive(FunctionExercise):
-    def run_case(self, call, case, rank, world_size):
-        return _run_all_reduce_case(call, case, rank, world_size)
+    def run_case(self, call, case, rank, world_size, inputs):
+        return _run_all_reduce_case(call, case, rank, world_size, inputs)
 
     def judge(self, case, records, complete=True):
         G, N = case.world_size, case.numel
@@ -76,12 +87,12 @@ class Naive(FunctionExercise):
                     problems.append(Problem(
                         f"rank {rank} sent {count} messages to rank {peer}; the naive exchange sends its tensor once to "
                         f"each of the G - 1 others: (G - 1) N = {(G - 1) * N} elements per rank, rank {rank} sent "
-                        f"{sum(m.numel for m in sends)}.", order=(0, rank, peer)))
+                        f"{sum(m.numel for m in sends)}.", order=(0, rank, peer), line="traffic"))
                     break
             for m in sends:
                 if m.numel != N:
                     problems.append(Problem(f"rank {rank} sent {m.numel} elements to rank {m.peer}; send the whole "
-                                            f"tensor (N = {N} elements).", order=(0, rank, m.peer, 1)))
+                                            f"tensor (N = {N} elements).", order=(0, rank, m.peer, 1), line="traffic"))
                     break
                 if inputs[0] is None or N == 0:
                     continue
@@ -96,14 +107,14 @@ class Naive(FunctionExercise):
                 else:
                     text = (f"rank {rank} sent rank {m.peer} values that are not its input: send your own tensor, "
                             "unchanged.")
-                problems.append(Problem(text, order=(0, rank, m.peer, 2)))
+                problems.append(Problem(text, order=(0, rank, m.peer, 2), line="own_tensor"))
                 break
             if complete:
                 missing = [peer for peer in range(G) if peer != rank and peer not in per_peer]
                 if missing:
                     problems.append(Problem(
                         f"rank {rank} sent nothing to rank {missing[0]}; in the naive exchange every rank sends its "
-                        "whole tensor to every other rank.", order=(0, rank, missing[0], 3)))
+                        "whole tensor to every other rank.", order=(0, rank, missing[0], 3), line="traffic"))
         if complete:
             problems += _result_problems(case, records, "the naive exchange")
         return problems
@@ -113,8 +124,8 @@ class ParameterServer(FunctionExercise):
     def cases(self, hidden=False):
         return standard_cases(hidden, rooted=True)
 
-    def run_case(self, call, case, rank, world_size):
-        return _run_all_reduce_case(lambda tensor: call(tensor, root=case.root), case, rank, world_size)
+    def run_case(self, call, case, rank, world_size, inputs):
+        return _run_all_reduce_case(lambda tensor: call(tensor, root=case.root), case, rank, world_size, inputs)
 
     def judge(self, case, records, complete=True):
         G, N, root = case.world_size, case.numel, case.root
@@ -127,7 +138,8 @@ class ParameterServer(FunctionExercise):
             if rank != root and len(senders) > 1:
                 problems.append(Problem(
                     f"rank {rank} received tensors from ranks {', '.join(map(str, senders))}, but the root is rank "
-                    f"{root}: the parameter server goes through the root it was given (root={root}).", order=(0, rank)))
+                    f"{root}: the parameter server goes through the root it was given (root={root}).", order=(0, rank),
+                    line="workers"))
         sends = [[m for m in record["messages"] if m.is_send] for record in records]
         for rank in range(G):
             if rank == root:
@@ -136,7 +148,8 @@ class ParameterServer(FunctionExercise):
             if stray is not None:
                 problems.append(Problem(
                     f"rank {rank} sent its tensor to rank {stray.peer}, but the root is rank {root}: in the parameter "
-                    f"server the workers talk only to the root it was given (root={root}).", order=(1, rank)))
+                    f"server the workers talk only to the root it was given (root={root}).", order=(1, rank),
+                    line="workers"))
         per_peer = Counter(m.peer for m in sends[root])
         for m in sends[root]:
             if not tagged or m.numel != N:
@@ -145,36 +158,37 @@ class ParameterServer(FunctionExercise):
             if holds == {root}:
                 problems.append(Problem(
                     f"the root (rank {root}) sent rank {m.peer} its own input instead of the sum: the workers send to "
-                    f"the root first, and the root it was given (root={root}) sends the result back.", order=(2, m.peer)))
+                    f"the root first, and the root it was given (root={root}) sends the result back.", order=(2, m.peer),
+                    line="root"))
                 break
             if holds is not None and holds != data.everyone(G):
                 problems.append(Problem(
                     f"the root (rank {root}) sent rank {m.peer} the sum of ranks {', '.join(map(str, sorted(holds)))}, "
                     "not yet the complete sum: add every worker's tensor before sending the result back.",
-                    order=(2, m.peer)))
+                    order=(2, m.peer), line="root"))
                 break
         for peer in range(G):
             if peer == root:
                 continue
             if per_peer[peer] > 1:
                 problems.append(Problem(f"the root (rank {root}) sent {per_peer[peer]} messages to rank {peer}; it "
-                                        "sends the result to each worker once.", order=(2, peer)))
+                                        "sends the result to each worker once.", order=(2, peer), line="root"))
             elif per_peer[peer] == 0 and complete:
                 problems.append(Problem(f"the root (rank {root}) sent nothing to rank {peer}: after summing, it sends "
-                                        "the result back to every other rank.", order=(2, peer)))
+                                        "the result back to every other rank.", order=(2, peer), line="root"))
             mine = [m for m in sends[peer] if m.peer == root]
             if len(mine) > 1:
                 problems.append(Problem(f"rank {peer} sent {len(mine)} messages to the root; each worker sends its "
-                                        "tensor once.", order=(3, peer)))
+                                        "tensor once.", order=(3, peer), line="workers"))
             elif complete and not mine and not sends[peer]:
                 problems.append(Problem(f"rank {peer} sent nothing: every worker sends its tensor to the root, "
-                                        f"rank {root}.", order=(3, peer)))
+                                        f"rank {root}.", order=(3, peer), line="workers"))
             elif mine and mine[0].numel != N:
                 problems.append(Problem(f"rank {peer} sent {mine[0].numel} elements; send the whole tensor (N = {N}).",
-                                        order=(3, peer)))
+                                        order=(3, peer), line="workers"))
             elif mine and inputs[0] is not None and N and data.which_input(mine[0].data, inputs) != peer:
                 problems.append(Problem(f"rank {peer} sent the root values that are not its own input.",
-                                        order=(3, peer)))
+                                        order=(3, peer), line="workers"))
         if complete:
             problems += _result_problems(case, records, f"the parameter server (root={root})")
         return problems
@@ -184,14 +198,18 @@ register(Naive(
     name="naive", notebook="03_naive_and_master_allreduce", points=5,
     signature="naive(tensor) -> None",
     summary="all-reduce by full exchange: send your whole tensor to each other rank, sum what you hold",
-    checks=("results equal torch.distributed.all_reduce on G = 1 to 8 ranks (exact with tagged data, within float "
-            "tolerance with random data), lengths that do not divide by G",
-            "every rank sends its own, unchanged tensor exactly once to each other rank: (G - 1) N elements")))
+    rubric=(RubricLine("values", "every rank ends with the sum over all ranks, in place (exact with tagged data, "
+                                 "within float tolerance with random data)", 2),
+            RubricLine("own_tensor", "what a rank sends is its own input, unchanged (not a partial sum)", 1.5),
+            RubricLine("traffic", "every rank sends its whole tensor exactly once to each other rank: (G - 1) N "
+                                  "elements", 1.5))))
 
 register(ParameterServer(
     name="parameter_server", notebook="03_naive_and_master_allreduce", points=5,
     signature="parameter_server(tensor, root=0) -> None",
     summary="all-reduce through one root: everyone sends to root, root sums and sends the result to everyone",
-    checks=("results equal torch.distributed.all_reduce for root 0, G - 1 and in between",
-            "workers send only to the root it was given, once, their own tensor; the root sends the complete sum "
-            "to every worker once")))
+    rubric=(RubricLine("values", "every rank ends with the sum over all ranks, in place", 2),
+            RubricLine("workers", "every worker sends its own tensor once, only to the root it was given", 1),
+            RubricLine("root", "the root sends the complete sum back to every worker once", 1),
+            RubricLine("any_root", "also right when the root is not rank 0 (root = G - 1 and one in between)", 1,
+                       family=OTHER_ROOTS))))

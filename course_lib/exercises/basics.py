@@ -6,17 +6,18 @@
     all_gather(tensor_list, tensor)  every rank's tensor_list[j] becomes rank j's tensor, in place
 
 All three only copy data, so the check identifies what a rank holds or sent by comparing it with
-every rank's input: "rank 3 holds rank 0's values", "step 1: rank 2 passed on its own token again".
+every rank's input: "rank 3 holds rank 0's values", "step 1: rank 2 passed on its own token again". A value
+a rank ends with must be its own or one some message brought it (`data.unexplained_values`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from course_lib.exercises import data
 from course_lib.exercises.cases import VISIBLE_SIZES, HIDDEN_SIZES, clone, portable, standard_cases
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
+from course_lib.exercises.rubric import OTHER_ROOTS, SINGLE_RANK, RubricLine
 
 __all__ = ["PassToken", "Broadcast", "AllGather"]
 
@@ -36,12 +37,21 @@ def _whose(values, inputs, world_size, tagged, sentinel=None) -> str:
     return "values that are no rank's input"
 
 
+def _unexplained(rank, what: str) -> Problem:
+    """Rank `rank`'s `what` holds values neither its input nor any message it received carried: it costs every line."""
+    return Problem(f"rank {rank}'s {what} holds values that no message it received carried (and its own input does "
+                   "not hold them either): they did not come through the point-to-point messages the check traces.",
+                   order=(-1, rank))
+
+
 # --------------------------------------------------------------------------------------------------
 # 00: a token round the ring
 # --------------------------------------------------------------------------------------------------
 
 
 class PassToken(FunctionExercise):
+    observed = ("returned",)
+
     def cases(self, hidden=False):
         sizes = sorted(VISIBLE_SIZES + (HIDDEN_SIZES if hidden else ()))
         cases = []
@@ -52,13 +62,17 @@ class PassToken(FunctionExercise):
                 cases.append(Case(G, 3, "random", 1, hidden=extra))
         return cases
 
-    def run_case(self, call, case, rank, world_size):
-        token = torch.full((1,), 100.0 + rank) if case.data == "tagged" else data.make_input(case, rank)
-        start = token.clone()
-        everyone = [torch.empty_like(token) for _ in range(world_size)]
-        dist.all_gather(everyone, token)              # the built-in: every rank's token
-        returned = call(token)
-        return {"start": start, "everyone": everyone, "returned": portable(returned)}
+    def inputs(self, case):
+        if case.data == "tagged":
+            return [torch.full((1,), 100.0 + rank) for rank in range(case.world_size)]
+        return [data.make_input(case, rank) for rank in range(case.world_size)]
+
+    def oracle(self, case, inputs):
+        return [{"start": token.clone(), "everyone": [t.clone() for t in inputs]} for token in inputs]
+
+    def run_case(self, call, case, rank, world_size, inputs):
+        returned = call(inputs.clone())
+        return {"returned": portable(returned)}
 
     def judge(self, case, records, complete=True):
         G = case.world_size
@@ -71,7 +85,7 @@ class PassToken(FunctionExercise):
                 if message.peer != right:
                     problems.append(Problem(
                         f"step {step}: rank {rank} sent to rank {message.peer}; pass the token to the right "
-                        f"neighbour, (rank + 1) % world_size = {right}.", order=(0, step, rank)))
+                        f"neighbour, (rank + 1) % world_size = {right}.", order=(0, step, rank), line="messages"))
                     continue
                 if tokens is None:
                     continue
@@ -86,11 +100,12 @@ class PassToken(FunctionExercise):
                             f"rank {want}'s" + (", the one it received in the step before." if step else ", its own."))
                 else:
                     text = f"step {step}: rank {rank} sent values that are nobody's token."
-                problems.append(Problem(text, order=(0, step, rank)))
+                problems.append(Problem(text, order=(0, step, rank), line="passes"))
             if complete and len(sends) != G - 1:
                 problems.append(Problem(
                     f"rank {rank} sent {len(sends)} message{'s' if len(sends) != 1 else ''}; passing the token round "
-                    f"G = {G} ranks takes G - 1 = {G - 1} steps, one message each.", order=(0, len(sends), rank, 1)))
+                    f"G = {G} ranks takes G - 1 = {G - 1} steps, one message each.", order=(0, len(sends), rank, 1),
+                    line="messages"))
         if not complete:
             return problems
         for rank, record in enumerate(records):
@@ -98,12 +113,16 @@ class PassToken(FunctionExercise):
             if not isinstance(returned, (list, tuple)):
                 problems.append(Problem(
                     f"rank {rank} returned {type(returned).__name__}; pass_token returns the list of the {G} tokens "
-                    "the rank held, its own first.", order=(1, rank)))
+                    "the rank held, its own first.", order=(1, rank), line="returned"))
                 continue
             if len(returned) != G:
                 problems.append(Problem(
                     f"rank {rank} returned {len(returned)} token{'s' if len(returned) != 1 else ''}; after G - 1 "
-                    f"passes it has held G = {G} (its own and one per step).", order=(1, rank)))
+                    f"passes it has held G = {G} (its own and one per step).", order=(1, rank), line="returned"))
+                continue
+            received = data.received_by(records, rank)
+            if any(data.unexplained_values(item, record["start"], received) for item in returned):
+                problems.append(_unexplained(rank, "returned list"))
                 continue
             for k, item in enumerate(returned):
                 want = (rank - k) % G
@@ -113,7 +132,7 @@ class PassToken(FunctionExercise):
                 held = f"rank {owner}'s token" if owner is not None else "no rank's token"
                 problems.append(Problem(
                     f"rank {rank}'s list: item {k} is {held}; it should be rank {want}'s, the token from {k} "
-                    f"place{'s' if k != 1 else ''} to the left.", order=(1, rank, k)))
+                    f"place{'s' if k != 1 else ''} to the left.", order=(1, rank, k), line="returned"))
                 break
         return problems
 
@@ -124,16 +143,18 @@ class PassToken(FunctionExercise):
 
 
 class Broadcast(FunctionExercise):
+    observed = ("after",)
+
     def cases(self, hidden=False):
         return standard_cases(hidden, rooted=True)
 
-    def run_case(self, call, case, rank, world_size):
-        tensor = data.make_input(case, rank)
-        start = tensor.clone()
-        expected = tensor.clone()
-        dist.broadcast(expected, src=case.root)        # the built-in
+    def oracle(self, case, inputs):
+        return [{"start": t.clone(), "expected": inputs[case.root].clone()} for t in inputs]
+
+    def run_case(self, call, case, rank, world_size, inputs):
+        tensor = inputs.clone()
         call(tensor, src=case.root)
-        return {"start": start, "after": clone(tensor), "expected": expected}
+        return {"after": clone(tensor)}
 
     def judge(self, case, records, complete=True):
         G, src = case.world_size, case.root
@@ -147,13 +168,18 @@ class Broadcast(FunctionExercise):
         elif (owner := data.which_input(source["after"], inputs)) is not None:
             problems.append(Problem(
                 f"broadcast from rank {src}: the source, rank {src}, ended with rank {owner}'s values, so your code "
-                f"broadcast from rank {owner}; use the src it was given (src={src}).", order=(0, -1)))
+                f"broadcast from rank {owner}; use the src it was given (src={src}).", order=(0, -1), line="values"))
         else:
             problems.append(Problem(
                 f"broadcast from rank {src} changed the source's own tensor (it now holds "
-                f"{_whose(source['after'], inputs, G, case.data == 'tagged')}): src only sends.", order=(0, -1)))
+                f"{_whose(source['after'], inputs, G, case.data == 'tagged')}): src only sends.", order=(0, -1),
+                line="values"))
         for rank, record in enumerate(records):
-            if rank == src or data.first_difference(record["after"], record["expected"]) is None:
+            if rank == src:
+                continue
+            if data.first_difference(record["after"], record["expected"]) is None:
+                if data.unexplained_values(record["after"], record["start"], data.received_by(records, rank)):
+                    problems.append(_unexplained(rank, "tensor"))
                 continue
             holds = _whose(record["after"], inputs, G, case.data == "tagged")
             if holds == f"rank {rank}'s values":
@@ -164,29 +190,34 @@ class Broadcast(FunctionExercise):
             else:
                 text = (f"after broadcast from rank {src}, rank {rank} holds {holds}; it should hold rank {src}'s "
                         f"(src={src}).")
-            problems.append(Problem(text, order=(0, rank)))
+            problems.append(Problem(text, order=(0, rank), line="values"))
         for rank, record in enumerate(records):
             received = sum(m.numel for m in record["messages"] if not m.is_send)
             want = 0 if rank == src else case.numel
-            if received != want and not problems:
+            if received != want:
                 text = (f"the source, rank {src}, received {received} elements: in a broadcast src only sends."
                         if rank == src else
                         f"rank {rank} received {received} elements; it needs src's N = {case.numel} elements once.")
-                problems.append(Problem(text, order=(1, rank)))
+                problems.append(Problem(text, order=(1, rank), line="traffic"))
         return problems
 
 
+def _fill(case) -> float:
+    """What an all-gather slot holds before the learner's function runs: a value no rank's input has."""
+    return -1.0 if case.data == "tagged" else float("nan")
+
+
 class AllGather(FunctionExercise):
-    def run_case(self, call, case, rank, world_size):
-        tensor = data.make_input(case, rank)
-        start = tensor.clone()
-        expected = [torch.empty_like(tensor) for _ in range(world_size)]
-        dist.all_gather(expected, tensor)              # the built-in
-        fill = -1.0 if case.data == "tagged" else float("nan")   # what a slot holds if nobody writes it
-        tensor_list = [torch.full_like(tensor, fill) for _ in range(world_size)]
+    observed = ("after", "slots")
+
+    def oracle(self, case, inputs):
+        return [{"start": t.clone(), "expected": [u.clone() for u in inputs], "fill": _fill(case)} for t in inputs]
+
+    def run_case(self, call, case, rank, world_size, inputs):
+        tensor = inputs.clone()
+        tensor_list = [torch.full_like(tensor, _fill(case)) for _ in range(world_size)]
         call(tensor_list, tensor)
-        return {"start": start, "after": clone(tensor), "expected": expected, "fill": fill,
-                "slots": [clone(t) for t in tensor_list]}
+        return {"after": clone(tensor), "slots": [clone(t) for t in tensor_list]}
 
     def judge(self, case, records, complete=True):
         G, N = case.world_size, case.numel
@@ -196,8 +227,18 @@ class AllGather(FunctionExercise):
         inputs = [record["start"] for record in records]
         for rank, record in enumerate(records):
             sentinel = torch.full((N,), record["fill"])
-            for slot, (got, want) in enumerate(zip(record["slots"], record["expected"])):
+            slots = list(record["slots"])
+            if len(slots) != G:
+                problems.append(Problem(f"rank {rank}'s tensor_list has {len(slots)} slots after the call; it had G = "
+                                        f"{G}: fill the slots in place, do not add or remove any.", order=(0, rank),
+                                        line="others"))
+                continue
+            received = data.received_by(records, rank)
+            for slot, (got, want) in enumerate(zip(slots, record["expected"])):
+                line = "own" if slot == rank else "others"
                 if data.first_difference(got, want) is None:
+                    if slot != rank and data.unexplained_values(got, record["start"], received):
+                        problems.append(_unexplained(rank, f"tensor_list[{slot}]"))
                     continue
                 holds = _whose(got, inputs, G, case.data == "tagged", sentinel=sentinel if N else None)
                 if holds == "never written":
@@ -205,18 +246,19 @@ class AllGather(FunctionExercise):
                         ": copy the rank's own tensor into its own slot too." if slot == rank else ".")
                 else:
                     text = f"rank {rank}'s tensor_list[{slot}] holds {holds}; tensor_list[j] must hold rank j's tensor."
-                problems.append(Problem(text, order=(0, rank, slot)))
-                break
-            if not data.same_values(record["after"], record["start"]):
-                problems.append(Problem(f"rank {rank}'s own tensor changed: all_gather only reads it.", order=(0, rank, G)))
-        if not problems:
-            for rank, record in enumerate(records):
-                received = sum(m.numel for m in record["messages"] if not m.is_send)
-                if received != (G - 1) * N:
-                    problems.append(Problem(
-                        f"rank {rank} received {received} elements; it needs each of the other G - 1 tensors once: "
-                        f"(G - 1) N = {(G - 1) * N}.", order=(1, rank)))
+                problems.append(Problem(text, order=(0, rank, slot), line=line))
+                if slot != rank:
                     break
+            if not data.same_values(record["after"], record["start"]):
+                problems.append(Problem(f"rank {rank}'s own tensor changed: all_gather only reads it.", order=(0, rank, G),
+                                        line="own"))
+        for rank, record in enumerate(records):
+            received = sum(m.numel for m in record["messages"] if not m.is_send)
+            if received != (G - 1) * N:
+                problems.append(Problem(
+                    f"rank {rank} received {received} elements; it needs each of the other G - 1 tensors once: "
+                    f"(G - 1) N = {(G - 1) * N}.", order=(1, rank), line="traffic"))
+                break
         return problems
 
 
@@ -225,23 +267,29 @@ register(PassToken(
     signature="pass_token(token) -> list",
     summary="pass a 1-D tensor to the right G - 1 times, each time passing on what arrived; return the G tokens "
             "held, own first",
-    checks=("every rank sends to (rank + 1) % world_size, G - 1 messages",
-            "in step s a rank passes on rank (r - s)'s token, the one it received in step s - 1",
-            "the returned list holds the tokens of ranks r, r-1, ..., r-G+1 (compared with torch.distributed.all_gather)"),
-    forbidden=("collectives", "allreduce")))
+    rubric=(RubricLine("messages", "every rank sends G - 1 messages, each to its right neighbour (rank + 1) % "
+                                   "world_size", 1.5),
+            RubricLine("passes", "in step s a rank passes on rank (r - s)'s token, the one it received in step s - 1",
+                       1.5),
+            RubricLine("returned", "the returned list holds the tokens of ranks r, r-1, ..., r-G+1, its own first", 1),
+            RubricLine("single", "with one rank (G = 1) it returns [its own token] and sends nothing", 1,
+                       family=SINGLE_RANK))))
 
 register(Broadcast(
     name="broadcast", notebook="02_collectives", points=5,
     signature="broadcast(tensor, src=0) -> None",
     summary="every rank's tensor becomes a copy of rank src's, in place",
-    checks=("every rank's tensor equals torch.distributed.broadcast's, for src 0, G - 1 and in between",
-            "every rank but src receives src's N elements once; src receives nothing"),
+    rubric=(RubricLine("values", "every rank's tensor ends as a copy of src's, in place; src's own is unchanged", 3),
+            RubricLine("traffic", "every rank but src receives src's N elements once; src receives nothing", 1),
+            RubricLine("any_src", "also right when src is not rank 0 (src = G - 1 and one in between)", 1,
+                       family=OTHER_ROOTS)),
     root_name="src"))
 
 register(AllGather(
     name="all_gather", notebook="02_collectives", points=5,
     signature="all_gather(tensor_list, tensor) -> None",
     summary="on every rank, tensor_list[j] becomes a copy of rank j's tensor; tensor is not changed",
-    checks=("every slot of every rank equals torch.distributed.all_gather's (slots start filled with -1 or NaN, "
-            "so a slot nobody wrote is caught)",
-            "every rank receives (G - 1) N elements")))
+    rubric=(RubricLine("own", "tensor_list[rank] holds a copy of the rank's own tensor, which is not changed", 1),
+            RubricLine("others", "tensor_list[j] holds rank j's tensor for every other rank j (slots start filled "
+                                 "with -1 or NaN, so a slot nobody wrote is caught)", 2),
+            RubricLine("traffic", "every rank receives each other rank's tensor once: (G - 1) N elements", 2))))

@@ -3,9 +3,9 @@
 Visible cases (``check(name, fn)``), for G = 1, 2, 3, 4, 5, 8:
     tagged data, N = 2G + 1 (not a multiple of G: the chunks differ in length)
     random data, N = 3G + 2
+    tagged data, N = 4G (divides evenly: the core case most rubric lines are judged on)
 Hidden cases (``hidden=True``, what the grader runs) add G = 6 and 7 and, for every G > 1:
     tagged, N = G - 1 (fewer elements than ranks: one chunk is empty)
-    tagged, N = 4G (divides evenly)
     random, N = 1 and N = 200 + G, other seeds
 Rooted exercises (broadcast, parameter server) use root G - 1 for the tagged cases, 0 for the random
 ones, and G // 2 in the hidden ones, so a solution that always uses rank 0 is caught.
@@ -35,9 +35,10 @@ def standard_cases(hidden: bool = False, rooted: bool = False, min_numel: int = 
             continue
         cases.append(Case(G, 3 * G + 2, "random", 1, root(0), hidden=extra))
         if hidden:
-            cases += [Case(G, max(G - 1, min_numel), "tagged", 0, root(G // 2), hidden=True),
-                      Case(G, 4 * G, "tagged", 0, root(0), hidden=True),
-                      Case(G, max(1, min_numel), "random", 2, root(G - 1), hidden=True),
+            cases.append(Case(G, max(G - 1, min_numel), "tagged", 0, root(G // 2), hidden=True))
+        cases.append(Case(G, 4 * G, "tagged", 0, root(0), hidden=extra))
+        if hidden:
+            cases += [Case(G, max(1, min_numel), "random", 2, root(G - 1), hidden=True),
                       Case(G, 200 + G, "random", 3, root(G // 2), hidden=True)]
     return cases
 

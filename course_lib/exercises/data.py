@@ -18,7 +18,8 @@ from course_lib import viz
 from course_lib.allreduce import chunk_sizes
 
 __all__ = ["make_input", "tolerance", "decode", "decode_whole", "label", "everyone", "first_difference", "same_values",
-           "which_input", "chunk_sizes", "as_float_tensor"]
+           "which_input", "chunk_sizes", "as_float_tensor", "all_reduce_oracle", "contributors", "received_by",
+           "unexplained_contributors", "unexplained_values"]
 
 
 def make_input(case, rank: int, numel: int | None = None) -> torch.Tensor:
@@ -28,6 +29,18 @@ def make_input(case, rank: int, numel: int | None = None) -> torch.Tensor:
         return viz.tagged_tensor(rank, case.world_size, numel)
     generator = torch.Generator().manual_seed(1_000_003 * case.seed + 7919 * rank + 104_729 * case.world_size + numel)
     return torch.empty(numel, dtype=torch.float64).uniform_(-1.0, 1.0, generator=generator).float()
+
+
+def all_reduce_oracle(inputs) -> list[dict]:
+    """What an all-reduce (sum) of `inputs` (one tensor per rank) must leave on every rank, computed here.
+
+    Returns one dict per rank: 'start' (its input), 'expected' (the sum, exact in float64 and then rounded
+    to float32, the learner's dtype) and 'abs_sum' (sum of |x| over the ranks, for `tolerance`).
+    """
+    total = torch.stack([t.double() for t in inputs]).sum(0) if inputs else torch.zeros(0)
+    abs_sum = torch.stack([t.double().abs() for t in inputs]).sum(0) if inputs else torch.zeros(0)
+    expected = total.float()
+    return [{"start": t.clone(), "expected": expected.clone(), "abs_sum": abs_sum.clone()} for t in inputs]
 
 
 def tolerance(abs_sum: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -123,3 +136,55 @@ def which_input(values, inputs) -> int | None:
         if same_values(values, start):
             return rank
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Was a result made of what the rank received?
+# --------------------------------------------------------------------------------------------------
+#
+# The trace says what every rank sent, with a copy of the data. A rank can end with data of another
+# rank only if some message brought it (or its input held it). A result that holds more was computed
+# some way the trace does not show: a collective called around the check (a reference kept from before
+# the check swapped the names), or a report written to look right. Such a case fails every line.
+
+
+def received_by(records, rank: int) -> list:
+    """The data of every message the other ranks' traces say they sent to `rank`."""
+    return [m.data for r, record in enumerate(records) if r != rank for m in record.get("messages", ())
+            if m.is_send and m.peer == rank and m.data is not None]
+
+
+def contributors(values, world_size: int) -> frozenset:
+    """The ranks whose tagged data (`viz.tag`) any element of `values` holds; values that are no tag sum add nobody."""
+    flat = as_float_tensor(values)
+    if flat is None:
+        return frozenset()
+    ranks: set = set()
+    for value in set(flat.tolist()):
+        try:
+            ranks |= viz.decode_tag(value, world_size)[0]
+        except (ValueError, OverflowError):
+            continue
+    return frozenset(ranks)
+
+
+def unexplained_contributors(result, own, received, world_size: int) -> frozenset:
+    """Ranks whose tagged data `result` holds although neither `own` (the rank's input) nor any received message held it."""
+    allowed = set(contributors(own, world_size))
+    for data in received:
+        allowed |= contributors(data, world_size)
+    return contributors(result, world_size) - allowed
+
+
+def unexplained_values(result, own, received) -> bool:
+    """True when some element of `result` is a value that neither `own` nor any received message held
+    (for exercises that only copy data: broadcast, all-gather, the token)."""
+    flat = as_float_tensor(result)
+    if flat is None or flat.numel() == 0:
+        return False
+    seen: set = set()
+    for data in [own, *received]:
+        values = as_float_tensor(data)
+        if values is not None:
+            seen.update(values.tolist())
+    return any(value not in seen for value in flat.tolist())

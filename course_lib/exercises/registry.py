@@ -1,4 +1,5 @@
-"""What an exercise is: a name, a notebook, points, and either cases to run on ranks or a question.
+"""What an exercise is: a name, a notebook, rubric lines worth points, and either cases to run on ranks
+or a question.
 
 Two kinds:
 
@@ -7,15 +8,35 @@ Two kinds:
   and judged from what came back *and* from the messages it sent.
 * `Question` (see `questions.py`): the learner gives a number, a letter, or a formula in G and N.
 
+A function exercise is split along the line a grader must not cross (see docs/architecture.md):
+
+    judge side (never runs the learner's code)        rank side (the learner's processes)
+    cases(hidden)        which cases run               run_case(call, case, rank, G, inputs)
+    inputs(case)         every rank's input data          builds the arguments from `inputs`,
+    oracle(case, inputs) what each rank must end with     calls the learner's function, returns
+    judge(case, records) the problems, each tagged        what it produced (only the keys named
+                         with the rubric line it costs    in `observed`)
+
 Every exercise registers itself under its name when its module is imported; `get(name)` finds it.
+A new exercise registers rubric lines the same way the course's do:
+
+    register(MyExercise(name="tree_reduce", notebook="09_trees", points=10,
+                        signature="tree_reduce(tensor, root=0) -> None", summary="...",
+                        rubric=(RubricLine("messages", "...", 4), RubricLine("values", "...", 4),
+                                RubricLine("uneven", "...", 2, family=UNEVEN_LENGTHS))))
+
+and tags each `Problem` its `judge` finds with the line it costs (``Problem(text, line="values")``).
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-__all__ = ["Case", "Problem", "Exercise", "FunctionExercise", "register", "get", "all_exercises"]
+from course_lib.exercises.rubric import RubricLine, single_line
+
+__all__ = ["Case", "Problem", "Exercise", "FunctionExercise", "RubricLine", "register", "get", "all_exercises"]
 
 
 @dataclass(frozen=True)
@@ -55,12 +76,15 @@ class Problem:
         message: the sentence shown to the learner.
         order: sort key, earliest first: (phase, step, rank, ...); the first problem is the one shown.
         step, phase: where in the schedule it happened, for the picture (None when not a step).
+        line: the key of the rubric line this problem costs; None costs every line the case tests
+            (an exception, a hang, a result no message explains).
     """
 
     message: str
     order: tuple = (0,)
     step: int | None = None
     phase: str | None = None
+    line: str | None = None
 
 
 @dataclass
@@ -70,11 +94,15 @@ class Exercise:
     Attributes:
         name: what `check` is called with.
         notebook: the notebook the exercise belongs to ('04_ring_scatter_reduce').
-        points: the exercise's maximum score, spread evenly over its cases.
+        points: the exercise's maximum score: the sum of its rubric lines' points.
         signature: what the learner writes, e.g. 'ring_scatter_reduce(tensor) -> int'.
         summary: one line: what it must do.
         answer_name: the name the learner's answer has in the notebook (the grader looks it up);
             by default the exercise's name.
+        rubric: the lines the points are split over (`rubric.RubricLine`); an exercise registered
+            without any gets one line, "every case passes", worth all its points.
+        checks: for an exercise without a rubric, what is checked, one line each (shown, not scored);
+            with a rubric, the lines' texts.
     """
 
     name: str
@@ -83,33 +111,59 @@ class Exercise:
     signature: str
     summary: str
     answer_name: str = ""
+    rubric: tuple = ()
+    checks: tuple = ()
     kind: str = field(default="function", init=False)
 
     def __post_init__(self):
         self.answer_name = self.answer_name or self.name
+        if not self.rubric:
+            self.rubric = (single_line(self.points),)
+        else:
+            self.checks = tuple(line.text for line in self.rubric)
+        total = sum(line.points for line in self.rubric)
+        if abs(total - self.points) > 1e-9:
+            raise ValueError(f"exercise {self.name!r}: its rubric lines add up to {total:g} points, not {self.points:g}")
+        if len({line.key for line in self.rubric}) != len(self.rubric):
+            raise ValueError(f"exercise {self.name!r}: two rubric lines have the same key")
+
+    @property
+    def forbids(self) -> str:
+        """What calling scores 0, in words (`exercises.list()` and the README show it)."""
+        return ""
 
 
 @dataclass
 class FunctionExercise(Exercise):
     """An SPMD function the learner writes; subclasses define the cases and how to judge them.
 
-    Subclasses implement:
+    Subclasses implement (judge side: computed where the grader runs, never from what a rank says):
         cases(hidden) -> list[Case]    (optional: by default `cases.standard_cases(hidden)`)
-        run_case(call, case, rank, world_size) -> dict     (on each rank)
-            Build this rank's inputs, compute the built-in's answer, call the learner's function
-            through ``call(...)`` (traced), and return what the parent needs to judge.
-        judge(case, records, complete=True) -> list[Problem]   (in the notebook process)
-            `records[r]` is rank r's dict from run_case, plus 'messages' (what it sent and
-            received, see `tracing.Message`). With complete=False (the case hung) only the
-            messages of the ranks are there: report only what those show.
-        checks: lines saying what is checked, for the report.
+        inputs(case) -> list           (optional: by default one tensor per rank, `data.make_input`)
+            Rank r's input for the case; it travels to the ranks as data.
+        oracle(case, inputs) -> list[dict]   (optional: by default the all-reduce's: start, expected, abs_sum)
+            What the judge needs to know about rank r beyond what it produced: its input, the result
+            it must end with. Merged over the rank's record (the oracle's keys win).
+        judge(case, records, complete=True) -> list[Problem]
+            `records[r]` holds rank r's `observed` keys, 'messages' (what it sent and received, see
+            `tracing.Message`) and the oracle's keys. With complete=False (the case hung) only the
+            messages of the ranks are there: report only what those show. Tag each Problem with
+            the rubric line it costs.
+    and (rank side: the learner's processes):
+        run_case(call, case, rank, world_size, inputs) -> dict
+            Build the arguments from `inputs` (this rank's), call the learner's function through
+            ``call(...)`` (traced) and return what it produced: only the keys named in `observed`
+            come back to the judge.
+
+    Attributes:
+        observed: the keys of run_case's record the judge reads (anything else is dropped).
         root_name: what the case's root is called in labels ('src', 'root').
-        forbidden: course_lib modules the learner must not call.
+        forbidden: course_lib modules the learner must not call (built-in collectives are always refused).
     """
 
-    checks: tuple = ()
     root_name: str = "root"
-    forbidden: tuple = ("collectives", "allreduce")
+    forbidden: tuple = ("collectives", "allreduce", "fast_allreduce")
+    observed: ClassVar[tuple] = ("after", "returned")   # a class attribute: subclasses set their own
     ring_picture: bool = False  # draw the failing step of a ring schedule
 
     def cases(self, hidden: bool = False) -> list[Case]:
@@ -118,11 +172,26 @@ class FunctionExercise(Exercise):
         from course_lib.exercises.cases import standard_cases  # cases.py imports this module's Case
         return standard_cases(hidden)
 
-    def run_case(self, call, case: Case, rank: int, world_size: int) -> dict:  # pragma: no cover - abstract
+    def inputs(self, case: Case) -> list:
+        """Every rank's input tensor for `case` (tagged or seeded random data, see `data.make_input`)."""
+        from course_lib.exercises import data
+        return [data.make_input(case, rank) for rank in range(case.world_size)]
+
+    def oracle(self, case: Case, inputs: list) -> list[dict]:
+        """What an all-reduce (sum) leaves on every rank: start, expected, and abs_sum for the float tolerance."""
+        from course_lib.exercises import data
+        return data.all_reduce_oracle(inputs)
+
+    def run_case(self, call, case: Case, rank: int, world_size: int, inputs) -> dict:  # pragma: no cover
         raise NotImplementedError
 
     def judge(self, case: Case, records: list, complete: bool = True) -> list[Problem]:  # pragma: no cover
         raise NotImplementedError
+
+    @property
+    def forbids(self) -> str:
+        from course_lib.exercises.tracing import forbidden_description
+        return forbidden_description(self.forbidden)
 
 
 _REGISTRY: dict[str, Exercise] = {}

@@ -11,21 +11,24 @@
 Chunks are ``torch.tensor_split(tensor, G)``. The check reads the schedule from the messages the
 ranks really sent: the s-th message a rank sends is its step s, and with tagged data the values of
 a message say which chunk it is and which ranks' contributions it holds (`data.decode`), whatever
-the learner's labels say.
+the learner's labels say. A result may only hold contributions that its input or a received message
+held (`data.unexplained_contributors`).
+
+Every input, the sums every GPU must end with, and the state a real scatter-reduce leaves (the
+all-gather's input, `simulate_scatter_reduce`) are computed where the judge runs, not on the ranks.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from course_lib import allreduce as reference
 from course_lib import viz
 from course_lib.exercises import data
 from course_lib.exercises.cases import clone, portable
 from course_lib.exercises.registry import FunctionExercise, Problem, register
+from course_lib.exercises.rubric import SINGLE_RANK, UNEVEN_LENGTHS, RubricLine
 
-__all__ = ["RingScatterReduce", "RingAllGather", "Ring", "ring_picture"]
+__all__ = ["RingScatterReduce", "RingAllGather", "Ring", "ring_picture", "simulate_scatter_reduce"]
 
 SCATTER_REDUCE, ALL_GATHER = "scatter_reduce", "all_gather"
 PHASE_NAMES = {SCATTER_REDUCE: "scatter-reduce", ALL_GATHER: "all-gather"}
@@ -60,13 +63,31 @@ def _sizes_text(numel, world_size) -> str:
             f"(the first N mod G = {numel % world_size} one longer)")
 
 
-def phase_problems(case, sends_by_rank, phase: str, complete: bool, phase_index: int = 0, prefix: str = "") -> list:
+def simulate_scatter_reduce(inputs) -> list:
+    """What the ring's scatter-reduce (sum) leaves on every rank, computed in this process from `inputs`.
+
+    Step s: rank r sends chunk (r - s) mod G to r + 1, which adds it into its own copy of that chunk; the
+    additions happen in the ring's order, so the result is bit for bit what the ranks' ring leaves.
+    """
+    G = len(inputs)
+    state = [t.clone() for t in inputs]
+    for step in range(G - 1):
+        sent = [torch.tensor_split(state[r], G)[(r - step) % G].clone() for r in range(G)]
+        for rank in range(G):
+            left = (rank - 1) % G
+            torch.tensor_split(state[rank], G)[(left - step) % G].add_(sent[left])
+    return state
+
+
+def phase_problems(case, sends_by_rank, phase: str, complete: bool, phase_index: int = 0, prefix: str = "",
+                   chunk_line: str = "chunks", message_line: str = "messages") -> list:
     """Everything wrong with one phase of the ring, read from the messages each rank sent in it.
 
     Args:
         sends_by_rank: sends_by_rank[r] = rank r's sends in this phase, in order (step s = the s-th).
         complete: False when the case hung: then a rank that sent fewer messages is not a problem by itself.
         phase_index, prefix: order and wording when a check covers both phases ('scatter-reduce ').
+        chunk_line, message_line: the rubric lines a wrong chunk, and a wrong neighbour or count, cost.
     """
     G, N = case.world_size, case.numel
     tagged = case.data == "tagged"
@@ -74,8 +95,8 @@ def phase_problems(case, sends_by_rank, phase: str, complete: bool, phase_index:
     steps = G - 1
     problems = []
 
-    def add(step, rank, text, kind=0):
-        problems.append(Problem(text, order=(phase_index, step, rank, kind), step=step, phase=phase))
+    def add(step, rank, text, kind=0, line=chunk_line):
+        problems.append(Problem(text, order=(phase_index, step, rank, kind), step=step, phase=phase, line=line))
 
     for rank, sends in enumerate(sends_by_rank):
         right, left = (rank + 1) % G, (rank - 1) % G
@@ -86,7 +107,7 @@ def phase_problems(case, sends_by_rank, phase: str, complete: bool, phase_index:
                 turn = f" ({gpu(message.peer)} is its left neighbour: the ring turns the other way)" \
                     if message.peer == left and G > 2 else ""
                 add(step, rank, f"{where} sent to {gpu(message.peer)}; in the ring every GPU sends only to its right "
-                                f"neighbour, {gpu(right)} = (r + 1) mod G{turn}.")
+                                f"neighbour, {gpu(right)} = (r + 1) mod G{turn}.", line=message_line)
                 continue
             if not tagged:
                 if message.numel != sizes[chunk]:
@@ -119,10 +140,11 @@ def phase_problems(case, sends_by_rank, phase: str, complete: bool, phase_index:
             name = PHASE_NAMES[phase]
             if len(sends) < steps:
                 add(len(sends), rank, f"{gpu(rank)} sent only {plural(len(sends), 'message')} in the {name}; it takes "
-                                      f"G - 1 = {plural(steps, 'step')}, one message per step.", kind=1)
+                                      f"G - 1 = {plural(steps, 'step')}, one message per step.", kind=1,
+                    line=message_line)
             else:
                 add(steps, rank, f"{gpu(rank)} sent {plural(len(sends), 'message')} in the {name}; it takes exactly "
-                                 f"G - 1 = {plural(steps, 'step')}, one message each.", kind=1)
+                                 f"G - 1 = {plural(steps, 'step')}, one message each.", kind=1, line=message_line)
     return problems
 
 
@@ -144,12 +166,24 @@ def _contents_problem(phase, where, rank, step, chunk, holds, want, G) -> str:
 
 
 def result_problems(case, records, chunks_of=None, phase_index: int = 9, what: str = "the result",
-                    copying: bool = False) -> list:
-    """Compare every rank's tensor (all chunks, or `chunks_of(rank)`) with the built-in's answer."""
+                    copying: bool = False, own: str = "start") -> list:
+    """Compare every rank's tensor (all chunks, or `chunks_of(rank)`) with the sum the judge computed.
+
+    Wrong values cost the 'values' line. With tagged data, a rank whose tensor holds contributions that
+    neither its input (`record[own]`) nor any message it received held costs every line.
+    """
     G = case.world_size
     problems = []
     for rank, record in enumerate(records):
         after, expected, start = record["after"], record["expected"], record["start"]
+        if case.data == "tagged":
+            extra = data.unexplained_contributors(after, record[own], data.received_by(records, rank), G)
+            if extra:
+                problems.append(Problem(
+                    f"after {what}, {gpu(rank)} holds the values of {', '.join(gpu(r) for r in sorted(extra))}, but no "
+                    f"message it received carried them: they did not come through the point-to-point messages the "
+                    "check traces.", order=(-1, rank)))
+                continue
         tol = None if case.data == "tagged" else data.tolerance(record["abs_sum"], G)
         wanted = range(G) if chunks_of is None else chunks_of(rank)
         pieces = lambda t: torch.tensor_split(t.reshape(-1), G)  # noqa: E731
@@ -180,9 +214,9 @@ def result_problems(case, records, chunks_of=None, phase_index: int = 9, what: s
                             "data (a contribution added twice, or data from the wrong chunk).")
             else:
                 index, value, wanted_value = diff
-                text = (f"after {what}, {gpu(rank)}'s chunk {chunk} differs from torch.distributed.all_reduce at its "
-                        f"element {index}: {value:.6g} instead of {wanted_value:.6g}.")
-            problems.append(Problem(text, order=(phase_index, rank, chunk)))
+                text = (f"after {what}, {gpu(rank)}'s chunk {chunk} differs from the all-reduce (the sum over every "
+                        f"GPU) at its element {index}: {value:.6g} instead of {wanted_value:.6g}.")
+            problems.append(Problem(text, order=(phase_index, rank, chunk), line="values"))
             break
     return problems
 
@@ -193,25 +227,16 @@ def split_phases(records, G):
     return [s[:G - 1] for s in sends], [s[G - 1:] for s in sends]
 
 
-def _run_all_reduce_case(call, case, rank, world_size, before=None):
-    """Inputs, the built-in's answer, and the learner's call, for the three ring exercises."""
-    tensor = data.make_input(case, rank)
-    start = tensor.clone()
-    expected = tensor.clone()
-    dist.all_reduce(expected)                     # the built-in: what the learner must match
-    abs_sum = tensor.abs()
-    dist.all_reduce(abs_sum)                      # for the float tolerance
-    if before is not None:
-        before(tensor)
-    middle = tensor.clone()
+def _run_all_reduce_case(call, case, rank, world_size, inputs):
+    """The learner's call on this rank's input (a copy), for the all-reduce exercises: what it left and returned."""
+    tensor = inputs.clone()
     returned = call(tensor)
-    return {"start": start, "middle": middle, "after": clone(tensor), "expected": expected, "abs_sum": abs_sum,
-            "returned": portable(returned)}
+    return {"after": clone(tensor), "returned": portable(returned)}
 
 
 class RingScatterReduce(FunctionExercise):
-    def run_case(self, call, case, rank, world_size):
-        return _run_all_reduce_case(call, case, rank, world_size)
+    def run_case(self, call, case, rank, world_size, inputs):
+        return _run_all_reduce_case(call, case, rank, world_size, inputs)
 
     def judge(self, case, records, complete=True):
         G = case.world_size
@@ -224,11 +249,11 @@ class RingScatterReduce(FunctionExercise):
             if isinstance(returned, bool) or not isinstance(returned, int):
                 problems.append(Problem(
                     f"{gpu(rank)} returned {_short(returned)}; ring_scatter_reduce returns the index of the chunk the "
-                    f"GPU now holds complete, an int: (r + 1) mod G = {owned}.", order=(8, rank)))
+                    f"GPU now holds complete, an int: (r + 1) mod G = {owned}.", order=(8, rank), line="returned"))
             elif returned != owned:
                 problems.append(Problem(
                     f"{gpu(rank)} returned {returned}; the chunk it holds complete after the scatter-reduce is "
-                    f"(r + 1) mod G = {owned}.", order=(8, rank)))
+                    f"(r + 1) mod G = {owned}.", order=(8, rank), line="returned"))
         problems += result_problems(case, records, chunks_of=lambda r: [(r + 1) % G], what="the scatter-reduce")
         return problems
 
@@ -237,15 +262,22 @@ class RingScatterReduce(FunctionExercise):
 
 
 class RingAllGather(FunctionExercise):
-    def run_case(self, call, case, rank, world_size):
+    def inputs(self, case):
         # Start from what a real scatter-reduce leaves: one complete chunk, partial sums elsewhere.
-        return _run_all_reduce_case(call, case, rank, world_size, before=reference.ring_scatter_reduce)
+        return simulate_scatter_reduce([data.make_input(case, rank) for rank in range(case.world_size)])
+
+    def oracle(self, case, inputs):
+        start = [data.make_input(case, rank) for rank in range(case.world_size)]
+        return [{**facts, "middle": middle.clone()} for facts, middle in zip(data.all_reduce_oracle(start), inputs)]
+
+    def run_case(self, call, case, rank, world_size, inputs):
+        return _run_all_reduce_case(call, case, rank, world_size, inputs)
 
     def judge(self, case, records, complete=True):
         sends = [[m for m in record["messages"] if m.is_send] for record in records]
         problems = phase_problems(case, sends, ALL_GATHER, complete)
         if complete:
-            problems += result_problems(case, records, what="the all-gather", copying=True)
+            problems += result_problems(case, records, what="the all-gather", copying=True, own="middle")
         return problems
 
     def picture(self, case, records, problem):
@@ -253,14 +285,14 @@ class RingAllGather(FunctionExercise):
 
 
 class Ring(FunctionExercise):
-    def run_case(self, call, case, rank, world_size):
-        return _run_all_reduce_case(call, case, rank, world_size)
+    def run_case(self, call, case, rank, world_size, inputs):
+        return _run_all_reduce_case(call, case, rank, world_size, inputs)
 
     def judge(self, case, records, complete=True):
         G, N = case.world_size, case.numel
         first, second = split_phases(records, G)
-        problems = phase_problems(case, first, SCATTER_REDUCE, complete, 0, "scatter-reduce ")
-        problems += phase_problems(case, second, ALL_GATHER, complete, 1, "all-gather ")
+        problems = phase_problems(case, first, SCATTER_REDUCE, complete, 0, "scatter-reduce ", chunk_line="scatter_reduce")
+        problems += phase_problems(case, second, ALL_GATHER, complete, 1, "all-gather ", chunk_line="all_gather")
         if not complete:
             return problems
         sizes = data.chunk_sizes(N, G)
@@ -270,7 +302,7 @@ class Ring(FunctionExercise):
             if sent != want:
                 problems.append(Problem(
                     f"{gpu(rank)} sent {sent} elements in all; the ring sends 2N - |chunk r+1| - |chunk r+2| = {want} "
-                    f"(about 2(G-1)N/G: every chunk but one in each phase).", order=(2, rank)))
+                    f"(about 2(G-1)N/G: every chunk but one in each phase).", order=(2, rank), line="messages"))
         problems += result_problems(case, records, what="the ring")
         if not problems and case.data == "random":
             first_result = records[0]["after"]
@@ -279,7 +311,7 @@ class Ring(FunctionExercise):
                     problems.append(Problem(
                         f"{gpu(0)} and {gpu(rank)} hold different bits: the ring sums each chunk once, on its way "
                         "round, and then only copies it, so every GPU should hold exactly the same result.",
-                        order=(10, rank)))
+                        order=(10, rank), line="values"))
                     break
         return problems
 
@@ -385,20 +417,23 @@ def ring_picture(case, records, problem, phases):
     return fig
 
 
-COMMON_CHECKS = (
-    "results equal torch.distributed.all_reduce on G = 1 to 8 ranks (bit for bit with tagged data, within "
-    "float tolerance with random data), lengths that do not divide by G",
-    "every GPU sends only to its right neighbour, one message per step, G - 1 steps per phase",
-)
+MESSAGES = RubricLine("messages", "every GPU sends G - 1 messages per phase, each to its right neighbour (r + 1) mod G", 2)
+UNEVEN = RubricLine("uneven", "also right when N does not divide by G, and when N < G (empty chunks)", 1,
+                    family=UNEVEN_LENGTHS)
+SINGLE = RubricLine("single", "with one GPU (G = 1) it sends nothing and leaves the tensor as it is", 1,
+                    family=SINGLE_RANK)
 
 register(RingScatterReduce(
     name="ring_scatter_reduce", notebook="04_ring_scatter_reduce", points=10,
     signature="ring_scatter_reduce(tensor) -> int",
     summary="phase 1 of the ring: in step s rank r sends chunk (r - s) mod G to r + 1 and adds what it receives; "
             "returns the chunk it then holds complete, (r + 1) mod G",
-    checks=COMMON_CHECKS + ("step s: GPU-r sends chunk (r - s) mod G holding the sum of GPUs r-s..r (read from the "
-                            "tagged values, not from labels)",
-                            "the returned chunk index is (r + 1) mod G, and that chunk equals the built-in's"),
+    rubric=(MESSAGES,
+            RubricLine("chunks", "step s: GPU-r sends chunk (r - s) mod G holding the sum of GPUs r-s..r (read from "
+                                 "the tagged values, not from labels)", 2),
+            RubricLine("values", "the chunk each GPU completes, (r + 1) mod G, equals the sum over every GPU", 2),
+            RubricLine("returned", "returns the index of that chunk, (r + 1) mod G", 2),
+            UNEVEN, SINGLE),
     ring_picture=True))
 
 register(RingAllGather(
@@ -406,14 +441,26 @@ register(RingAllGather(
     signature="ring_all_gather(tensor) -> None",
     summary="phase 2 of the ring: in step s rank r sends chunk (r + 1 - s) mod G to r + 1, the receiver overwrites "
             "its copy; starts from what a real scatter-reduce leaves",
-    checks=COMMON_CHECKS + ("the input is what a real scatter-reduce leaves (partial sums in all chunks but one)",
-                            "step s: GPU-r sends chunk (r + 1 - s) mod G, complete"),
+    rubric=(MESSAGES,
+            RubricLine("chunks", "step s: GPU-r sends chunk (r + 1 - s) mod G, complete (the input is what a real "
+                                 "scatter-reduce leaves: partial sums in all chunks but one)", 3),
+            RubricLine("values", "afterwards every chunk on every GPU equals the sum over every GPU: a received chunk "
+                                 "replaces the partial sum", 3),
+            UNEVEN, SINGLE),
     ring_picture=True))
 
 register(Ring(
     name="ring", notebook="05_ring_all_gather", points=5,
     signature="ring(tensor) -> None",
     summary="the ring all-reduce: your ring_scatter_reduce, then your ring_all_gather",
-    checks=COMMON_CHECKS + ("2(G - 1) messages per GPU, 2N - |chunk r+1| - |chunk r+2| (about 2(G-1)N/G) elements",
-                            "with random data every GPU holds the same bits"),
+    rubric=(RubricLine("messages", "every GPU sends 2(G - 1) messages, each to its right neighbour, "
+                                   "2N - |chunk r+1| - |chunk r+2| (about 2(G-1)N/G) elements in all", 1),
+            RubricLine("scatter_reduce", "its first G - 1 sends are the scatter-reduce: step s sends chunk (r - s) mod G "
+                                         "with the partial sum of GPUs r-s..r", 1.25),
+            RubricLine("all_gather", "its last G - 1 sends are the all-gather: step s sends the complete chunk "
+                                     "(r + 1 - s) mod G", 1.25),
+            RubricLine("values", "every GPU ends with the sum over every GPU; with random data every GPU holds the same "
+                                 "bits", 0.5),
+            RubricLine("uneven", UNEVEN.text, 0.5, family=UNEVEN_LENGTHS),
+            RubricLine("single", SINGLE.text, 0.5, family=SINGLE_RANK)),
     ring_picture=True))

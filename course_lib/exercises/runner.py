@@ -1,9 +1,16 @@
 """Run a learner's function on real ranks, case by case, and never hang.
 
-All the cases of one world size run in one `course_lib.launch` (a launch costs 0.1-0.2 s, a case
-milliseconds). Inside each rank, `_rank_main` loops over the cases; for each it builds the inputs,
-calls the learner's function under a `Tracer`, and writes a record file (what came back, every
-message sent). The notebook process then judges every case from the records of all ranks.
+The work is split in two, so that a grader can keep the two sides in different processes:
+
+* **rank side** (`run_batch`, in the learner's process: their notebook kernel, or the grader's sandbox):
+  one `course_lib.launch` runs a batch of cases of one world size (a launch costs 0.1-0.2 s, a case
+  milliseconds). Inside each rank, `_rank_main` loops over the cases; for each it takes the rank's input,
+  calls the learner's function under a `Tracer`, and writes a record file (what came back, every message
+  sent). `run_batch` returns the records as data (`RankBatch`).
+* **judge side** (`drive`): picks the cases, computes every rank's input and the oracle (what each rank
+  must end with), asks for batches, cleans what comes back (`wire.clean_record`), judges every case and
+  decides what to run next. `run_function` joins the two in one process, for the learner's own check;
+  the grader (`course_lib.grade`) gives `drive` a `run_batch` that asks the sandbox.
 
 What can go wrong, and what happens:
 
@@ -11,8 +18,10 @@ What can go wrong, and what happens:
   once. The case fails with the exception; the remaining cases of that world size run in a new launch.
 * a deadlock or an endless loop: a watchdog thread in every rank notices that the case has run for
   `case_timeout` seconds, writes what the rank is blocked in (or which line of the learner's code it
-  is running) and ends the rank. The case fails with an explanation read from all ranks' reports;
-  the remaining cases of that world size are skipped (each would cost another timeout).
+  is running) and ends the rank. The first such case of a world size runs once more, alone, with
+  RETRY_FACTOR times the time (a busy machine is not a deadlock). If it hangs again it fails with an
+  explanation read from all ranks' reports, and the remaining cases of that world size are skipped
+  (each would cost another timeout).
 * a forbidden call (a built-in collective, course_lib's own implementation): that case scores 0.
 * NotImplementedError: the exercise is "not done yet"; nothing else runs.
 * a check that runs out of its overall time budget marks the cases it did not reach as not run.
@@ -35,13 +44,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from course_lib.exercises import feedback, registry
+from course_lib.exercises import feedback, registry, wire
 from course_lib.exercises.registry import Case, Problem
 from course_lib.exercises.tracing import ForbiddenCall, Tracer, learner_frame
 
-__all__ = ["CaseResult", "Outcome", "run_function", "CASE_TIMEOUT", "BUDGET"]
+__all__ = ["CaseResult", "Outcome", "RankBatch", "run_function", "run_batch", "drive", "CASE_TIMEOUT", "BUDGET",
+           "RETRY_FACTOR"]
 
 CASE_TIMEOUT = 4.0   # seconds one case may take on the ranks (a correct one takes milliseconds)
+RETRY_FACTOR = 4     # a case that hung runs once more, alone, with this many times the time, before it counts
 BUDGET = 45.0        # seconds a whole check may take; cases not reached by then are not run
 _STUCK_EXIT = 3
 
@@ -66,6 +77,21 @@ class Outcome:
 
     cases: list
     not_done: str | None = None
+
+
+@dataclass
+class RankBatch:
+    """What one launch of a batch of cases brought back, as data.
+
+    Attributes:
+        records: {case index: [rank 0's record, rank 1's, ...]}, None for a rank that wrote none.
+        stuck: {case index: [...]}: what each rank's watchdog wrote when the case hung, or None.
+        launch_error: the launcher's message when the launch failed, else None.
+    """
+
+    records: dict
+    stuck: dict
+    launch_error: str | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,7 +213,7 @@ def _lost_a_peer(exc) -> bool:
         words in text for words in ("connection closed", "connection reset", "broken pipe", "connection refused"))
 
 
-def _rank_main(rank, world_size, exercise_name, fn, cases, first_index, workdir, case_timeout):
+def _rank_main(rank, world_size, exercise_name, fn, cases, inputs, first_index, workdir, case_timeout):
     exercise = registry.get(exercise_name)
     # The cases are tiny, and a forked rank that uses OpenMP threads after the notebook process did
     # can hang in its first parallel region (libgomp is not fork-safe): one thread each.
@@ -198,9 +224,12 @@ def _rank_main(rank, world_size, exercise_name, fn, cases, first_index, workdir,
         index = first_index + offset
         tracer = Tracer(case_index=offset + 1, forbidden_modules=exercise.forbidden, namespaces=namespaces,
                         largest_message=case.numel)
+        # Line the ranks up, so that every rank's watchdog starts counting at about the same moment: on a busy
+        # machine a rank can start a case seconds after another, which would otherwise read as a hang.
+        torch.distributed.barrier()
         watchdog.begin(index, tracer)
         try:
-            record = exercise.run_case(_Call(fn, tracer, watchdog), case, rank, world_size)
+            record = exercise.run_case(_Call(fn, tracer, watchdog), case, rank, world_size, inputs[offset][rank])
             record["status"] = "ok"
         except ForbiddenCall as exc:
             record = {"status": "forbidden", "what": exc.what}
@@ -236,7 +265,7 @@ def _everyone_reported(workdir, index, world_size, wait: float = 0.3) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# In the notebook
+# Rank side: one launch for a batch of cases
 # --------------------------------------------------------------------------------------------------
 
 
@@ -252,6 +281,44 @@ def _launch_quietly(*args, **kwargs):
             return None
         except LaunchError as err:
             return err
+
+
+def run_batch(exercise_name: str, fn, world_size: int, cases, inputs, first_index: int,
+              case_timeout: float) -> RankBatch:
+    """Run `cases` (all of world size `world_size`, numbered from `first_index`) on `fn` in one launch.
+
+    Runs in the learner's process: the ranks are forked from it and carry `fn`.
+
+    Args:
+        exercise_name: the exercise whose `run_case` builds each call.
+        inputs: inputs[k][r] is rank r's input for cases[k] (`FunctionExercise.inputs`).
+        case_timeout: seconds one case may take on the ranks.
+
+    Returns:
+        A `RankBatch`: every rank's record per case, what hung ranks wrote, the launcher's error.
+    """
+    import importlib
+
+    for module in registry.get(exercise_name).forbidden:
+        # Imported here, once, rather than by every forked rank's tracer (which swaps their functions out).
+        importlib.import_module(f"course_lib.{module}")
+    workdir = tempfile.mkdtemp(prefix="course_lib-check-")
+    try:
+        backstop = case_timeout * (len(cases) + 1) + 10
+        error = _launch_quietly(_rank_main, world_size,
+                                args=(exercise_name, fn, list(cases), list(inputs), first_index, workdir, case_timeout),
+                                backend="gloo", timeout=backstop)
+        indices = range(first_index, first_index + len(cases))
+        records = {i: [_load(workdir, i, r) for r in range(world_size)] for i in indices}
+        stuck = {i: [_load(workdir, i, r, "stuck") for r in range(world_size)] for i in indices}
+        return RankBatch(records, stuck, None if error is None else str(error))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Judge side: cases, oracle, judging
+# --------------------------------------------------------------------------------------------------
 
 
 def _states_of(records, stuck, world_size):
@@ -302,12 +369,36 @@ def _failed_case(exercise, case, records, stuck, launch_error, case_timeout):
                                 order=(99,)))
         follow = "skip"
     else:
-        text = str(launch_error) if launch_error is not None else "the ranks stopped without a report"
+        text = launch_error if launch_error is not None else "the ranks stopped without a report"
         problems.append(Problem(f"the ranks failed: {text}", order=(-1,)))
         follow = "next"
     if loud:
         problems.insert(0, Problem(loud, order=(-2,)))
     return CaseResult(case, "failed", problems[:1] + problems[1:]), follow
+
+
+def _is_silent(result) -> bool:
+    """A finished case on G >= 2 ranks in which no rank sent a message."""
+    return (result.records is not None and result.case.world_size > 1
+            and not any(m.is_send for record in result.records for m in record["messages"]))
+
+
+def _charge_silence(exercise, results) -> None:
+    """When the function sent no message in any finished case on G >= 2 ranks, it exchanged nothing the check can
+    see: what it returned or left was not made by messages (or no work was done), and the lines that found no
+    fault in messages that do not exist (the chunks, the return value) earn nothing either. Every such case fails
+    every line. (A function that is silent only sometimes, like a loop one step short at G = 2, is judged case by
+    case as usual.)"""
+    talking = [r for r in results if r.records is not None and r.case.world_size > 1 and not _is_silent(r)]
+    silent = [r for r in results if _is_silent(r)]
+    if talking or not silent:
+        return
+    for result in silent:
+        result.problems.insert(0, Problem(
+            f"no GPU sent a message, in any case: {exercise.answer_name} has to exchange the data with point-to-point "
+            "messages (torch.distributed send/recv/isend/irecv, or course_lib.p2p). A result the messages do not "
+            "explain earns nothing.", order=(-1,)))
+        result.status = "failed"
 
 
 def _judge(exercise, case, records):
@@ -322,60 +413,109 @@ def _judge(exercise, case, records):
     return CaseResult(case, "failed" if problems else "passed", problems, records)
 
 
-def run_function(exercise, fn, hidden: bool = False, *, case_timeout: float | None = None,
-                 budget: float | None = None, cases=None) -> Outcome:
-    """Run every case of `exercise` on `fn`; batch the cases of one world size into one launch.
+def _merge(exercise, raw_records, oracle):
+    """Each rank's record cleaned to what the judge reads, with the oracle's facts laid over it."""
+    merged = []
+    for rank, raw in enumerate(raw_records):
+        record = wire.clean_record(raw, exercise.observed)
+        if record is not None and record["status"] == "ok":
+            record.update(oracle[rank])
+        merged.append(record)
+    return merged
+
+
+def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: float | None = None) -> Outcome:
+    """Run every case of `exercise` through `run` (batches of one world size) and judge what comes back.
+
+    This is the judge's side: the inputs and the oracle are computed here, and only data comes back.
 
     Args:
+        cases: the cases to run.
+        run: ``run(world_size, cases, inputs, first_index, case_timeout) -> RankBatch``; `run_batch`
+            bound to the learner's function, or the grader's request to its sandbox.
         case_timeout, budget: seconds per case and for the whole check (default: CASE_TIMEOUT, BUDGET).
-        cases: run these cases instead of the exercise's own (tests use a few to stay fast).
+
+    Returns:
+        An `Outcome`: one `CaseResult` per case, or `not_done` when the function is not written yet.
     """
     case_timeout = CASE_TIMEOUT if case_timeout is None else case_timeout
     budget = BUDGET if budget is None else budget
-    cases = exercise.cases(hidden) if cases is None else list(cases)
+    cases = list(cases)
+    inputs = [exercise.inputs(case) for case in cases]
     by_size: dict[int, list] = {}
     for index, case in enumerate(cases):
         by_size.setdefault(case.world_size, []).append(index)
     results: dict[int, CaseResult] = {}
     deadline = time.monotonic() + budget
+
+    def evaluate(index, batch, timeout):
+        """(CaseResult or None when not done yet, what to do next, whether every rank reported) for one case."""
+        world_size = cases[index].world_size
+        raw = batch.records.get(index) or [None] * world_size
+        raw = list(raw)[:world_size] + [None] * max(0, world_size - len(raw))
+        records = _merge(exercise, raw, exercise.oracle(cases[index], inputs[index]))
+        if all(rec is not None and rec["status"] == "ok" for rec in records):
+            return _judge(exercise, cases[index], records), "next", True
+        stuck = list(batch.stuck.get(index) or [None] * world_size)[:world_size]
+        stuck = [wire.clean_record(s) if s is not None else None for s in stuck + [None] * (world_size - len(stuck))]
+        stuck = [s if s is not None and s["status"] == "stuck" else None for s in stuck]
+        result, follow = _failed_case(exercise, cases[index], records, stuck, batch.launch_error, timeout)
+        return result, follow, all(rec is not None for rec in records)
+
     for world_size in sorted(by_size):
-        todo = by_size[world_size]
+        todo, retried = by_size[world_size], False
         while todo:
             if time.monotonic() > deadline:
                 for index in todo:
                     results[index] = CaseResult(cases[index], "not run", [Problem(
                         f"not run: the check ran out of its {budget:g} s (earlier cases hung).")])
                 break
-            workdir = tempfile.mkdtemp(prefix="course_lib-check-")
-            try:
-                batch = [cases[i] for i in todo]
-                backstop = case_timeout * (len(batch) + 1) + 10
-                error = _launch_quietly(_rank_main, world_size,
-                                        args=(exercise.name, fn, batch, todo[0], workdir, case_timeout),
-                                        backend="gloo", timeout=backstop)
-                next_todo = []
-                for position, index in enumerate(todo):
-                    records = [_load(workdir, index, r) for r in range(world_size)]
-                    if all(rec is not None and rec["status"] == "ok" for rec in records):
-                        results[index] = _judge(exercise, cases[index], records)
-                        continue
-                    stuck = [_load(workdir, index, r, "stuck") for r in range(world_size)]
-                    result, follow = _failed_case(exercise, cases[index], records, stuck, error, case_timeout)
+            batch = run(world_size, [cases[i] for i in todo], [inputs[i] for i in todo], todo[0], case_timeout)
+            next_todo = []
+            for position, index in enumerate(todo):
+                result, follow, everyone = evaluate(index, batch, case_timeout)
+                if result is None:
+                    return Outcome([], not_done=follow)
+                if follow == "skip" and not retried:
+                    # A hang may be a busy machine rather than a deadlock: once per world size, the case runs
+                    # again alone with more time before it counts (a true deadlock costs that time once).
+                    retried = True
+                    longer = case_timeout * RETRY_FACTOR
+                    result, follow, everyone = evaluate(index, run(world_size, [cases[index]], [inputs[index]], index,
+                                                                   longer), longer)
                     if result is None:
                         return Outcome([], not_done=follow)
-                    results[index] = result
-                    if all(rec is not None for rec in records):
-                        continue          # every rank reported and went on to the next case
-                    rest = todo[position + 1:]
-                    if follow == "skip":
-                        for later in rest:
-                            results[later] = CaseResult(cases[later], "not run", [Problem(
-                                f"not run: an earlier case with G={world_size} hung, and each would cost "
-                                f"{case_timeout:g} s more.")])
-                    else:
-                        next_todo = rest
-                    break
-                todo = next_todo
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-    return Outcome([results[i] for i in range(len(cases))])
+                    if follow != "skip":
+                        everyone = False      # go on with the rest of this world size in a new launch
+                results[index] = result
+                if everyone:
+                    continue          # every rank reported and went on to the next case
+                rest = todo[position + 1:]
+                if follow == "skip":
+                    for later in rest:
+                        results[later] = CaseResult(cases[later], "not run", [Problem(
+                            f"not run: an earlier case with G={world_size} hung, and each would cost "
+                            f"{case_timeout:g} s more.")])
+                else:
+                    next_todo = rest
+                break
+            todo = next_todo
+    ordered = [results[i] for i in range(len(cases))]
+    _charge_silence(exercise, ordered)
+    return Outcome(ordered)
+
+
+def run_function(exercise, fn, hidden: bool = False, *, case_timeout: float | None = None,
+                 budget: float | None = None, cases=None) -> Outcome:
+    """Run every case of `exercise` on `fn` in this process's ranks and judge them here (the learner's check).
+
+    Args:
+        case_timeout, budget: seconds per case and for the whole check (default: CASE_TIMEOUT, BUDGET).
+        cases: run these cases instead of the exercise's own (tests use a few to stay fast).
+    """
+    cases = exercise.cases(hidden) if cases is None else list(cases)
+
+    def run(world_size, batch, inputs, first_index, timeout):
+        return run_batch(exercise.name, fn, world_size, batch, inputs, first_index, timeout)
+
+    return drive(exercise, cases, run, case_timeout=case_timeout, budget=budget)

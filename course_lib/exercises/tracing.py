@@ -10,11 +10,14 @@ at `torch.distributed` itself. While a `Tracer` is active on a rank:
   ``dist.recv`` is explained like one in `p2p.recv`, and they add ``case * TAG_STRIDE`` to the tag:
   a message a broken case left behind can never be received by the next case.
 * the built-in collectives (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``,
-  ...) and course_lib's own implementations (`course_lib.collectives`, `course_lib.allreduce`, and for
-  the training exercise `course_lib.training`) raise `ForbiddenCall`: an exercise is to write them.
-  Names the learner imported directly (``from torch.distributed import send``) are found in the
-  function's globals and swapped too; a course_lib implementation reached any other way is still
-  caught, because every message it sends passes the wrapper, which looks at the call stack.
+  ...) and course_lib's own implementations (`course_lib.collectives`, `course_lib.allreduce`,
+  `course_lib.fast_allreduce`, and for the training exercise `course_lib.training`) raise `ForbiddenCall`:
+  an exercise is to write them. The built-ins are refused in ``torch.distributed`` and in
+  ``torch.distributed.distributed_c10d``, where torch defines them (``dist.distributed_c10d.all_reduce``
+  is no way round). Names the learner imported directly (``from
+  torch.distributed import send``) are found in the function's globals and swapped too; a course_lib
+  implementation reached any other way is still caught, because every message it sends passes the
+  wrapper, which looks at the call stack.
 * what the learner prints goes to a `CappedWriter` (kept up to a limit, counted beyond it).
 
 Everything is undone when the tracer exits. Outside a launched rank nothing here is used.
@@ -36,7 +39,7 @@ import course_lib
 from course_lib import _rankstate
 
 __all__ = ["Message", "ForbiddenCall", "CappedWriter", "Tracer", "learner_frame", "describe_line", "is_learner_file", "TAG_STRIDE",
-           "FORBIDDEN_BUILTINS"]
+           "FORBIDDEN_BUILTINS", "forbidden_description"]
 
 P2P_CALLS = ("send", "recv", "isend", "irecv")
 # Built-ins that compute what the exercises ask the learner to compute (barrier and the queries
@@ -53,7 +56,23 @@ TAG_STRIDE = 1_000_000  # gloo tags are 32-bit: room for 4000 cases of a million
 # helpers a learner may use.
 HELPERS = {"chunk_sizes", "owned_chunk", "make_mlp", "make_spirals", "make_regression", "progress_bar",
            "flat_parameters", "shard_indices", "split_batches", "steps_per_epoch", "global_batches",
-           "simulate_stale_sgd", "split_sequential", "train_single_process"}
+           "simulate_stale_sgd", "split_sequential", "train_single_process",
+           "segments_per_chunk", "expected_traffic", "expected_steps"}      # fast_allreduce's arithmetic
+
+
+
+def forbidden_description(modules) -> str:
+    """What an exercise with these forbidden course_lib modules refuses, in one line (for `exercises.list()`).
+
+    Example::
+
+        >>> forbidden_description(("training",))
+        'torch.distributed collectives; course_lib.training (but not its helpers)'
+    """
+    modules = ", ".join(f"course_lib.{m}" for m in modules)
+    return "torch.distributed collectives" + (f"; {modules} (but not their helpers)" if "," in modules else
+                                              f"; {modules} (but not its helpers)" if modules else "")
+
 
 _COURSE_LIB_DIR = os.path.dirname(os.path.abspath(course_lib.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -343,18 +362,23 @@ class Tracer:
         replacements = {}  # id(original object) -> replacement
         for name in P2P_CALLS:
             original = getattr(dist, name)
-            replacement = self._p2p_wrapper(name, original)
-            replacements[id(original)] = replacement
-            self._swap(dist, name, replacement)
+            replacements[id(original)] = self._p2p_wrapper(name, original)
         # Building a batch of P2P operations is the first step of batch_isend_irecv.
         replacements[id(dist.P2POp)] = self._refusal("torch.distributed.batch_isend_irecv (its P2POp)")
-        self._swap(dist, "P2POp", replacements[id(dist.P2POp)])
         for name in FORBIDDEN_BUILTINS:
             if hasattr(dist, name):
                 original = getattr(dist, name)
-                replacement = self._refusal(f"torch.distributed.{name}", original)
-                replacements[id(original)] = replacement
-                self._swap(dist, name, replacement)
+                replacements[id(original)] = self._refusal(f"torch.distributed.{name}", original)
+        for name in (*P2P_CALLS, "P2POp", *FORBIDDEN_BUILTINS):
+            if id(getattr(dist, name, None)) in replacements:
+                self._swap(dist, name, replacements[id(getattr(dist, name))])
+        # torch.distributed re-exports the built-ins distributed_c10d defines: refuse them there too, so that
+        # dist.distributed_c10d.all_reduce is no way round. (Not send/recv: c10d's own send calls its isend,
+        # and a message would be traced twice.)
+        c10d = dist.distributed_c10d
+        for name in ("P2POp", *FORBIDDEN_BUILTINS):
+            if id(getattr(c10d, name, None)) in replacements:
+                self._swap(c10d, name, replacements[id(getattr(c10d, name))])
         import importlib
 
         for module_name in self.forbidden_modules:

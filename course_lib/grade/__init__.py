@@ -1,0 +1,39 @@
+"""Grading submitted notebooks so that a submission cannot forge its grade.
+
+    python -m course_lib.grade submissions/alice/*.ipynb --json results.json    (see `cli` for every mode)
+
+    from course_lib.grade import grade_notebook, grade_submissions, collect_class
+    grade = grade_notebook("alice/04_ring_scatter_reduce.ipynb")       # a NotebookGrade: tests, notes, score
+
+The submission's cells and the learner's functions run in a sandbox (`sandbox`, `kernel`): a process of their
+own below a warden that lets nothing outlive the grading, as an unprivileged user when the grader is root. The
+judge (`judge`) never runs the submission's code: it asks the sandbox for data only (values, the ranks'
+records), computes the cases, the inputs, the oracle and every point itself, and writes the results after the
+sandbox is gone. What it still trusts, and why: docs/architecture.md.
+
+Modules: cli (the command), batch (many notebooks in parallel), judge (one notebook), cells (which cells the
+answers need), notebook (reading one), sandbox / kernel / channel / _warden (the sandbox), results (table,
+results.json, CSV), gradescope (the autograder zip).
+"""
+
+from __future__ import annotations
+
+__all__ = ["grade_notebook", "grade_submissions", "collect_class", "collect_nbgrader", "collect_files", "exercises_in",
+           "NotebookGrade", "main"]
+
+
+def __getattr__(name):
+    # Lazy: the sandbox's kernel imports this package too, and needs none of the judge's modules.
+    if name in ("grade_notebook", "NotebookGrade"):
+        from course_lib.grade import judge
+        return getattr(judge, name)
+    if name in ("grade_submissions", "collect_class", "collect_nbgrader", "collect_files"):
+        from course_lib.grade import batch
+        return getattr(batch, name)
+    if name == "exercises_in":
+        from course_lib.grade.notebook import exercises_in
+        return exercises_in
+    if name == "main":
+        from course_lib.grade.cli import main
+        return main
+    raise AttributeError(f"module 'course_lib.grade' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from course_lib.grade.cli import main
+
+sys.exit(main())

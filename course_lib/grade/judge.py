@@ -1,0 +1,414 @@
+"""The judge: grades one notebook without ever running its code here.
+
+`grade_notebook` reads the notebook as data, decides which of its cells the answers need (`cells.py`), and
+has a sandbox (`sandbox.py`, `kernel.py`) run those cells. Then, for every exercise, it asks the sandbox
+for data only: a question's answer as a value (or, for a formula written as a function, its values on a
+grid of G and N), a function exercise's batches of cases as the ranks' records. The cases, every rank's
+input, the oracle, the judging and the points are all computed here, from that data; nothing the
+submission's processes send is executed, and nothing they send can reach a score except as data that is
+checked against the judge's own oracle.
+
+Failures cost what they touch: a cell that raises is noted and the notebook runs on; a cell that runs too
+long is interrupted; a cell that kills its process is left out and the notebook run again without it; an
+answer whose check kills the sandbox scores 0 and the sandbox is started again for the next exercise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from course_lib.exercises import QUESTION_NOT_DONE, registry, runner
+from course_lib.exercises.report import Result, format_points
+from course_lib.grade.cells import cells_to_run
+from course_lib.grade.notebook import NotebookError, code_cells, exercises_in, exercises_of_number, read_notebook
+from course_lib.grade.sandbox import (Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
+                                      SandboxUser)
+
+__all__ = ["NotebookGrade", "grade_notebook", "GRADING_BUDGET"]
+
+GRADING_BUDGET = 300.0    # seconds one exercise's hidden cases may take in all (the learner's check has 45)
+_VALUE_TIMEOUT = 60.0     # seconds a question's answer may take to compute (a formula on the whole grid)
+
+
+@dataclass
+class NotebookGrade:
+    """What one notebook got.
+
+    Attributes:
+        path: the notebook's file.
+        status: 'graded', or 'unreadable' (not a notebook) / 'unrunnable' (the grader could not run it).
+        tests: one dict per exercise: name, score, max_score, output (the report) and lines (the rubric lines).
+        notes: for the learner: cells that raised, ran too long or killed the process; processes left running.
+        info: for the instructor: which cells ran and why.
+        seconds: how long grading it took; timings: where that time went (starting sandboxes, running cells,
+            each exercise's checks, stopping), in seconds.
+    """
+
+    path: str
+    status: str = "graded"
+    tests: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    info: list = field(default_factory=list)
+    seconds: float = 0.0
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def score(self) -> float:
+        return round(sum(t["score"] for t in self.tests), 2)
+
+    @property
+    def max_score(self) -> float:
+        return round(sum(t["max_score"] for t in self.tests), 2)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"score": self.score, "max_score": self.max_score}
+
+
+# --------------------------------------------------------------------------------------------------
+# Answers rebuilt from data
+# --------------------------------------------------------------------------------------------------
+
+
+def _stand_in(type_name: str, text: str):
+    """An object that prints like the learner's answer (a type the judge does not rebuild) and is nothing else."""
+    name = type_name if isinstance(type_name, str) and type_name.isidentifier() and not keyword.iskeyword(type_name) \
+        else "object"
+    return type(name, (), {"__repr__": lambda self: str(text)[:300]})()
+
+
+def _fraction(value):
+    if (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            and value[1] != 0):
+        return Fraction(value[0], value[1])
+    return None
+
+
+def _answer(value, depth=0):
+    """A question's answer from the sandbox's data: text, numbers and tuples of them, or a stand-in."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict) and depth < 3:
+        if value.get("ellipsis") is True:
+            return Ellipsis
+        if "fraction" in value:
+            return _fraction(value["fraction"])
+        if isinstance(value.get("sequence"), list):
+            return tuple(_answer(v, depth + 1) for v in value["sequence"][:100])
+        if "other" in value:
+            return _stand_in(value.get("other"), value.get("repr", ""))
+    return _stand_in("object", "something the grader does not read")
+
+
+def _learner_error(type_name: str, message: str) -> Exception:
+    name = type_name if isinstance(type_name, str) and type_name.isidentifier() else "Exception"
+    return type(name, (Exception,), {})(str(message)[:300])
+
+
+def _table_function(grid, values):
+    """A function of (G, N) that answers with the learner's values on the grid (and raises their errors)."""
+    table = {}
+    for point, value in zip(grid, values):
+        if isinstance(value, int) and not isinstance(value, bool):
+            table[point] = value
+        elif isinstance(value, float) or value is None:
+            table[point] = value
+        elif isinstance(value, dict) and "fraction" in value:
+            table[point] = _fraction(value["fraction"])
+        elif isinstance(value, dict) and isinstance(value.get("error"), list) and len(value["error"]) == 2:
+            table[point] = _learner_error(*value["error"])
+        else:
+            table[point] = _stand_in("object", "not a number")
+
+    def answer(G, N):
+        value = table[(int(G), int(N))]
+        if isinstance(value, Exception):
+            raise value
+        return value
+    return answer
+
+
+# --------------------------------------------------------------------------------------------------
+# One notebook
+# --------------------------------------------------------------------------------------------------
+
+
+class _NotGradable(Exception):
+    """The answer cannot be checked at all: the Result to give instead."""
+
+    def __init__(self, result):
+        super().__init__(result.feedback[0])
+        self.result = result
+
+
+def _zero(exercise, text: str, weights) -> Result:
+    result = Result.not_done(exercise, text, weights)
+    result.status = "failed"
+    return result
+
+
+class _Session:
+    """One notebook's sandbox: started on first use, the cells the answers need run, started again after a cell
+    killed it (and the plan made again without that cell: what it would have bound now comes from elsewhere)."""
+
+    def __init__(self, path, cells, answer_names, workdir, log_path, user, cell_timeout, deadline, grade):
+        self.path, self.cells, self.answer_names = path, cells, answer_names
+        self.workdir, self.log_path, self.user = workdir, log_path, user
+        self.cell_timeout, self.deadline, self.grade = cell_timeout, deadline, grade
+        self.box: Sandbox | None = None
+        self.skip: set = set()            # positions (in `cells`) of cells that killed the kernel
+        self.left_running = 0
+        self.run_notes: list = []
+        self.plan, self.why = self._plan()
+        self.timings = {"sandbox start": 0.0, "cells": 0.0, "stop": 0.0}
+
+    def _plan(self):
+        kept = [i for i in range(len(self.cells)) if i not in self.skip]
+        plan, why = cells_to_run([self.cells[i][1] for i in kept], self.answer_names)
+        return [kept[i] for i in plan], why
+
+    def describe_plan(self) -> str:
+        numbers = ", ".join(str(self.cells[i][0]) for i in self.plan) or "none"
+        return self.why or f"ran {len(self.plan)} of {len(self.cells)} code cells, those the answers need: {numbers}"
+
+    def _left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def sandbox(self) -> Sandbox:
+        """A sandbox in which the planned cells have run (all but those that killed it)."""
+        while self.box is None:
+            if self._left() <= 0:
+                raise SandboxTimeout("the notebook ran out of time")
+            started = time.monotonic()
+            self.box = Sandbox.start(self.workdir, self.log_path, self.user, startup_timeout=min(120, max(1, self._left())))
+            ready = time.monotonic()
+            self.run_notes = []
+            died_in = self._run_cells()
+            self.timings["sandbox start"] += ready - started
+            self.timings["cells"] += time.monotonic() - ready
+            if died_in is not None:
+                self.stop()
+                self.skip.add(died_in)
+                self.plan, self.why = self._plan()
+                self.grade.notes.append(f"the kernel died in cell {self.cells[died_in][0]}; it was run again without "
+                                        "that cell")
+        self.grade.notes += self.run_notes
+        self.run_notes = []
+        return self.box
+
+    def _run_cells(self):
+        """Run the planned cells; the position (in `cells`) of the cell that killed the kernel, or None."""
+        for position in self.plan:
+            position_in_notebook, source = self.cells[position]
+            left = self._left()
+            if left <= 0:
+                self.run_notes.append(f"the notebook ran out of time at cell {position_in_notebook}; "
+                                      "the cells after it did not run")
+                return None
+            try:
+                reply = self.box.request({"op": "cell", "source": source}, timeout=min(self.cell_timeout, left))
+            except SandboxTimeout:
+                self.box.interrupt()
+                try:
+                    reply = self.box.await_reply(10)
+                except (SandboxTimeout, SandboxDied, SandboxError):
+                    return position
+                self.run_notes.append(f"cell {position_in_notebook} ran longer than {self.cell_timeout:g} s and was "
+                                      "interrupted")
+                continue
+            except (SandboxDied, SandboxError):
+                return position
+            if isinstance(reply, dict) and reply.get("status") == "error":
+                error = str(reply.get("error", ""))[:300]
+                if not error.startswith("KeyboardInterrupt"):
+                    self.run_notes.append(f"cell {position_in_notebook} raised {error}")
+        return None
+
+    def stop(self) -> None:
+        if self.box is not None:
+            started = time.monotonic()
+            self.left_running += max(0, self.box.stop())
+            self.box = None
+            self.timings["stop"] += time.monotonic() - started
+
+
+def _check_question(box, exercise, weights) -> Result:
+    formula = exercise.answer_kind == "formula"
+    grid = exercise.grid() if formula else []
+    reply = box.request({"op": "value", "name": exercise.answer_name, "formula": formula, "grid": grid},
+                        timeout=_VALUE_TIMEOUT)
+    kind = reply.get("kind") if isinstance(reply, dict) else None
+    if kind == "missing":
+        raise _NotGradable(_zero(exercise, f"{exercise.answer_name} is not defined in the notebook (did the cell that "
+                                           "defines it run without an error?).", weights))
+    if kind == "not_done":
+        return Result.not_done(exercise, QUESTION_NOT_DONE, weights)
+    if kind == "error":
+        return Result.of_question(exercise, False, f"your answer raised {str(reply.get('error'))[:300]}", (), weights)
+    if kind == "table" and isinstance(reply.get("values"), list) and len(reply["values"]) == len(grid):
+        answer = _table_function(grid, reply["values"])
+    elif kind == "value":
+        answer = _answer(reply.get("value"))
+    else:
+        raise SandboxError("the sandbox's answer is not one the protocol allows")
+    try:
+        right, message, met = exercise.assess(answer)
+    except NotImplementedError:
+        return Result.not_done(exercise, QUESTION_NOT_DONE, weights)
+    return Result.of_question(exercise, right, message, met, weights)
+
+
+def _int_keys(table) -> dict:
+    if not isinstance(table, dict):
+        return {}
+    return {int(key): value for key, value in table.items() if isinstance(key, str) and key.isdigit()
+            and isinstance(value, list)}
+
+
+def _check_function(box, exercise, weights, case_timeout) -> Result:
+    def run(world_size, batch, inputs, first, timeout):
+        reply = box.request({"op": "run", "exercise": exercise.name, "answer": exercise.answer_name,
+                             "world_size": world_size, "cases": [dataclasses.asdict(c) for c in batch],
+                             "inputs": inputs, "first": first, "case_timeout": timeout},
+                            timeout=timeout * (len(batch) + 1) + 60)
+        kind = reply.get("kind") if isinstance(reply, dict) else None
+        if kind == "missing":
+            raise _NotGradable(_zero(exercise, f"{exercise.answer_name} is not defined in the notebook (did the cell "
+                                               "that defines it run without an error?).", weights))
+        if kind == "not_done":
+            raise _NotGradable(Result.not_done(exercise, runner.feedback.NOT_DONE.format(function=exercise.answer_name),
+                                               weights))
+        if kind == "not_callable":
+            raise _NotGradable(_zero(exercise, f"{exercise.answer_name} is a {str(reply.get('type'))[:60]}, not a "
+                                               f"function: the exercise asks for {exercise.signature}.", weights))
+        if kind != "batch":
+            raise _NotGradable(_zero(exercise, "the check could not run your function: "
+                                               f"{str(reply.get('error') if isinstance(reply, dict) else reply)[:300]}",
+                                     weights))
+        error = reply.get("launch_error")
+        return runner.RankBatch(_int_keys(reply.get("records")), _int_keys(reply.get("stuck")),
+                                error[:2000] if isinstance(error, str) else None)
+
+    outcome = runner.drive(exercise, exercise.cases(hidden=True), run, case_timeout=case_timeout,
+                           budget=GRADING_BUDGET)
+    if outcome.not_done is not None:
+        return Result.not_done(exercise, outcome.not_done, weights)
+    return Result.of_cases(exercise, outcome.cases, hidden=True, weights=weights)
+
+
+def _check(session, exercise, weights, case_timeout) -> Result:
+    try:
+        box = session.sandbox()
+        if exercise.kind == "question":
+            return _check_question(box, exercise, weights)
+        return _check_function(box, exercise, weights, case_timeout)
+    except _NotGradable as exc:
+        return exc.result
+    except SandboxStartError:
+        raise
+    except (SandboxDied, SandboxTimeout, SandboxError) as exc:
+        session.stop()
+        return _zero(exercise, f"not graded: the notebook's process stopped answering while it was checked ({exc}).",
+                     weights)
+
+
+def _workdir(root, user: SandboxUser | None) -> pathlib.Path:
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="notebook-", dir=root))
+    (folder / "tmp").mkdir()
+    if user is not None:
+        for path in (folder, folder / "tmp"):
+            os.chown(path, user.uid, user.gid)
+    return folder
+
+
+def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, timeout: float = 900.0,
+                   cell_timeout: float = 300.0, weights: dict | None = None,
+                   case_timeout: float | None = None) -> NotebookGrade:
+    """Grade the notebook at `path`: run the cells its answers need in a sandbox, check every exercise it has
+    with the hidden cases, here, from the data the sandbox returns.
+
+    Args:
+        user: run the sandbox as this unprivileged user (`sandbox.sandbox_users`; the judge must be root).
+        workroot: where the sandbox's folder is made (a private temporary folder by default).
+        timeout: seconds for the whole notebook; cell_timeout: seconds for one cell.
+        weights: {exercise: {line: points}} from a rubric file (`rubric.load_weights`).
+        case_timeout: seconds one case may run on the ranks (default `runner.CASE_TIMEOUT`).
+
+    Returns:
+        A `NotebookGrade`. A file that is not a runnable notebook gets status 'unreadable' or 'unrunnable' and,
+        when its name starts with a notebook's number, 0 for each of that notebook's exercises.
+
+    Example::
+
+        >>> grade = grade_notebook("submissions/alice/04_ring_scatter_reduce.ipynb")
+        >>> grade.score, grade.max_score
+        (8.0, 10.0)
+    """
+    path = pathlib.Path(path)
+    started = time.monotonic()
+    grade = NotebookGrade(str(path))
+    weights = weights or {}
+    try:
+        notebook = read_notebook(path)
+    except NotebookError as exc:
+        grade.status = exc.kind
+        grade.notes.append(str(exc))
+        grade.tests = [_zero(registry.get(name), "not graded: " + str(exc), weights.get(name)).to_dict()
+                       for name in exercises_of_number(path.name)]
+        grade.seconds = time.monotonic() - started
+        return grade
+    names = exercises_in(notebook, path.name)
+    if not names:
+        grade.notes.append("no exercises found in this notebook")
+        grade.seconds = time.monotonic() - started
+        return grade
+    exercises = [registry.get(name) for name in names]
+    own_root = workroot is None
+    root = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-grade-")) if own_root else pathlib.Path(workroot)
+    if own_root:
+        root.chmod(0o711)          # the sandbox may enter its own folder here, not list the others
+    workdir = _workdir(root, user)
+    session = _Session(path, code_cells(notebook), [e.answer_name for e in exercises], workdir,
+                       root / f"{workdir.name}.log", user, cell_timeout, started + timeout, grade)
+    checks = {}
+    try:
+        for exercise in exercises:
+            before = time.monotonic() - sum(session.timings.values())
+            result = _check(session, exercise, weights.get(exercise.name), case_timeout)
+            checks[exercise.name] = time.monotonic() - sum(session.timings.values()) - before
+            grade.tests.append(result.to_dict())
+    except SandboxStartError as exc:
+        grade.status = "unrunnable"
+        grade.notes.append(str(exc))
+    except Exception as exc:  # noqa: BLE001 - the grader itself failed: say so, grade nothing from this notebook
+        grade.status = "failed"
+        grade.notes.append(f"the grader failed on this notebook: {type(exc).__name__}: {exc}")
+    finally:
+        session.stop()
+        grade.info.append(session.describe_plan())
+        if session.left_running:
+            grade.notes.append(f"{session.left_running} process{'es' if session.left_running != 1 else ''} the "
+                               "notebook started were still running after grading and were stopped")
+        shutil.rmtree(workdir, ignore_errors=True)
+        if own_root:
+            shutil.rmtree(root, ignore_errors=True)
+    if grade.status != "graded":
+        grade.tests = [_zero(e, f"not graded: {grade.notes[-1]}", weights.get(e.name)).to_dict() for e in exercises]
+    grade.seconds = time.monotonic() - started
+    grade.timings = {**{k: round(v, 3) for k, v in session.timings.items()},
+                     "checks": {k: round(v, 3) for k, v in checks.items()}}
+    return grade
+
+
+def describe(grade: NotebookGrade) -> str:
+    """'8/10' for a graded notebook, 'unreadable' for one that could not be read."""
+    if grade.status != "graded":
+        return grade.status
+    return f"{format_points(grade.score)}/{format_points(grade.max_score)}"

@@ -1,0 +1,346 @@
+"""Submissions that try to forge their grade. Each is an otherwise empty submission of notebook 04 (its
+ring_scatter_reduce not written; a few cheats use notebook 07's average_gradients) plus one cell with a cheat,
+and each must score 0, with the judge unharmed and nothing the submission started still running afterwards.
+
+The cheats run for real: the sandbox runs as an unprivileged user (these tests run as root, as on
+Gradescope), and every cheat first leaves a mark in a folder the sandbox may write, so a test can tell that
+the cheat ran and did not just fail to start. One test runs a cheat with the sandbox as the judge's own user,
+to check that the warden alone (no user switch) stops what a submission leaves behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import nbformat
+import pytest
+
+import time
+from dataclasses import dataclass
+
+from course_lib.exercises import registry
+from course_lib.grade import judge, sandbox
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the cheats run as another user, which needs root")
+
+STUB = '''import torch, torch.distributed as dist
+from course_lib import exercises
+
+def ring_scatter_reduce(tensor):
+    raise NotImplementedError("your code here")'''
+STUB_07 = '''import torch, torch.distributed as dist
+from course_lib import exercises
+
+def average_gradients(model):
+    raise NotImplementedError("your code here")'''
+
+
+@dataclass(frozen=True)
+class Notebook:
+    """A cheat that needs more than one cell of notebook 04: another notebook, more cells, shorter time limits."""
+
+    cells: tuple                                  # the cheat's cells (the first one leaves the mark)
+    name: str = "04_ring_scatter_reduce.ipynb"
+    stub: str = STUB
+    exercise: str = "ring_scatter_reduce"
+    limits: tuple = (("cell_timeout", 60),)      # grade_notebook's keyword arguments
+
+
+# Each cheat's cell (or a Notebook); it first writes an empty file (proof that it ran), whose path MARK names
+# where a cheat reports what it managed.
+CHEATS = {
+    "replaces_the_grader_and_the_check": '''
+        import course_lib.exercises as exercises_module
+        from course_lib.exercises.report import Result
+        exercises_module.check = lambda name, *a, **k: Result(name, 10.0, 10.0, "passed", [f"{name}: 10/10 points"])
+        import course_lib.grade as grade_package
+        grade_package.grade_namespace = lambda namespace, names, hidden=True: [
+            {"name": n, "score": 10.0, "max_score": 10.0, "output": "full marks"} for n in names]
+        import course_lib.grade.judge as judge_copy
+        judge_copy.grade_notebook = lambda *a, **k: None
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "prints_result_markers_and_writes_fake_frames": '''
+        import json, os, struct
+        print("COURSE_LIB_GRADE " + json.dumps([{"name": "ring_scatter_reduce", "score": 10.0, "max_score": 10.0}]))
+        frame = json.dumps({"kind": "value", "value": 10, "status": "ok", "ready": True}).encode()
+        for fd in range(3, 256):
+            try:
+                os.write(fd, struct.pack(">I", len(frame)) + frame)
+                os.write(fd, struct.pack(">I", 2**31))           # and a frame too large to accept
+            except OSError:
+                pass
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "writes_results_files": '''
+        import json, os, pathlib
+        fake = json.dumps({"score": 1000, "tests": []})
+        targets = ["results.json", "/autograder/results/results.json"]
+        for pid in filter(str.isdigit, os.listdir("/proc")):        # the judge's --json, from its command line
+            try:
+                argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\\0")
+            except OSError:
+                continue
+            if b"--json" in argv:
+                targets.append(argv[argv.index(b"--json") + 1].decode())
+        for target in targets:
+            try:
+                pathlib.Path(target).write_text(fake)
+            except OSError:
+                pass
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "patches_torch_distributed": '''
+        import torch.distributed as dist
+        dist.all_reduce = lambda tensor, *a, **k: None        # where the old check took the expected value from
+        dist.broadcast = dist.all_gather = lambda *a, **k: None
+
+        def ring_scatter_reduce(tensor):
+            return (dist.get_rank() + 1) % dist.get_world_size()''',
+    "disables_the_tracer_and_calls_the_builtin": '''
+        import torch.distributed as dist
+        import course_lib.exercises.tracing as tracing
+        tracing.FORBIDDEN_BUILTINS = ()
+        tracing.Tracer.__enter__ = lambda self: self
+        tracing.Tracer.__exit__ = lambda self, *exc: False
+
+        def ring_scatter_reduce(tensor, _builtin=[dist.all_reduce]):
+            _builtin[0](tensor)
+            return (dist.get_rank() + 1) % dist.get_world_size()''',
+    "forges_the_ranks_records": '''
+        from course_lib.exercises import runner
+
+        def forged(exercise_name, fn, world_size, cases, inputs, first_index, case_timeout):
+            records = {}
+            for k, case in enumerate(cases):
+                total = sum(t.double() for t in inputs[k]).float()
+                records[first_index + k] = [{"status": "ok", "after": total.clone(), "returned": (r + 1) % world_size,
+                                             "messages": [], "printed": (0, "")} for r in range(world_size)]
+            return runner.RankBatch(records, {}, None)
+
+        runner.run_batch = forged
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "changes_the_hidden_cases": '''
+        from course_lib.exercises import cases, registry
+        from course_lib.exercises.registry import Case
+        cases.standard_cases = lambda hidden=False, **k: [Case(1, 3)]
+        type(registry.get("ring_scatter_reduce")).cases = lambda self, hidden=False: [Case(1, 3)]
+
+        def ring_scatter_reduce(tensor):
+            return 0''',
+    "kills_and_traces_the_judge": '''
+        import ctypes, os, signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+            if pid != os.getpid():
+                libc.ptrace(16, pid, 0, 0)                  # PTRACE_ATTACH: refused for another user's process
+                try:
+                    os.kill(pid, signal.SIGKILL)            # only the sandbox user's own processes can die
+                except OSError:
+                    pass
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "edits_course_lib_on_disk": '''
+        import pathlib, course_lib
+        for path in pathlib.Path(course_lib.__file__).parent.rglob("*.py"):
+            try:
+                with open(path, "a") as f:
+                    f.write("\\nSCORE = 10  # a submission was here\\n")
+            except OSError:
+                pass
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "leaves_background_processes": '''
+        import os, subprocess
+        subprocess.Popen(["sleep", "6001"])                              # a plain child
+        subprocess.Popen(["sleep", "6002"], start_new_session=True)      # in a session of its own
+        if os.fork() == 0:                                               # a double fork, orphaned at once
+            if os.fork() == 0:
+                os.setsid()
+                os.execvp("sleep", ["sleep", "6003"])
+            os._exit(0)
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "patches_torch_comparisons_and_returns_a_tensor_subclass": '''
+        import torch
+        class Equal(torch.Tensor):                        # equal to anything, in this process
+            def __eq__(self, other): return True
+        torch.equal = torch.allclose = lambda *a, **k: True
+        torch.isclose = lambda a, b, *r, **k: torch.ones_like(a, dtype=torch.bool)
+        torch.Tensor.__eq__ = lambda self, other: torch.ones_like(self, dtype=torch.bool)
+        torch.Tensor.__ne__ = lambda self, other: torch.zeros_like(self, dtype=torch.bool)
+        torch.Tensor.abs = lambda self: torch.zeros_like(self)
+
+        def ring_scatter_reduce(tensor):
+            tensor.fill_(float("nan"))
+            return torch.tensor([1.0]).as_subclass(Equal)''',
+    "sleeps_past_the_timeouts_and_ignores_interrupts": Notebook(('''
+        import signal, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # the judge's interrupt of a cell that runs too long
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        def ring_scatter_reduce(tensor):
+            time.sleep(10**6)''', '''
+        ring_scatter_reduce = ring_scatter_reduce          # a cell the answer needs, and that never ends
+        time.sleep(10**6)'''), limits=(("cell_timeout", 3), ("case_timeout", 0.5), ("timeout", 240))),
+    "forges_its_ranks_record_files_and_exits_in_the_middle": '''
+        import os, pickle, sys, torch.distributed as dist
+
+        def ring_scatter_reduce(tensor):
+            frame = sys._getframe(1)                       # up to the rank's loop, which knows the batch
+            while frame is not None and "workdir" not in frame.f_locals:
+                frame = frame.f_back
+            if frame is not None:
+                found, rank, G = frame.f_locals, dist.get_rank(), dist.get_world_size()
+                for k, case_inputs in enumerate(found["inputs"]):
+                    total = sum(t.double() for t in case_inputs).float()
+                    record = {"status": "ok", "after": total, "returned": (rank + 1) % G, "messages": [],
+                              "printed": (0, "")}
+                    with open(os.path.join(found["workdir"], f"case{found['first_index'] + k}.rank{rank}.done"), "wb") as f:
+                        pickle.dump(record, f)
+            os._exit(0)                                    # before the rank writes its own record''',
+    "reads_the_judges_memory_and_files": '''
+        import os, pathlib
+        report = []
+        warden = os.getppid()                              # root's, like the judge above it
+        judge = pathlib.Path(f"/proc/{warden}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        for pid in (warden, judge):
+            for what, attempt in (("environ", lambda: pathlib.Path(f"/proc/{pid}/environ").read_bytes()),
+                                  ("mem", lambda: open(f"/proc/{pid}/mem", "rb").read(1)),
+                                  ("fds", lambda: os.listdir(f"/proc/{pid}/fd")),
+                                  ("stdout", lambda: open(f"/proc/{pid}/fd/1", "w").write("score 10/10\\n"))):
+                try:
+                    attempt()
+                    report.append(f"{what} of the judge: done")
+                except OSError as exc:
+                    report.append(f"{what} of the judge: {type(exc).__name__}")
+        for folder in (pathlib.Path.cwd().parent, pathlib.Path("/root")):
+            try:
+                report.append(f"list {folder}: {os.listdir(folder)}")
+            except OSError as exc:
+                report.append(f"list {folder}: {type(exc).__name__}")
+        pathlib.Path(MARK).write_text("\\n".join(report))
+        ring_scatter_reduce = ring_scatter_reduce''',
+    "averages_through_the_process_group_behind_padding_messages": Notebook(('''
+        import torch, torch.distributed as dist
+
+        def average_gradients(model):                      # zeros to look like an exchange, the mean from the
+            rank, G = dist.get_rank(), dist.get_world_size()   # built-in that no tracer can swap everywhere
+            if G > 1:
+                count = sum(p.numel() for p in model.parameters())
+                request = dist.isend(torch.zeros(count), (rank + 1) % G)
+                dist.recv(torch.empty(count), (rank - 1) % G)
+                request.wait()
+            for parameter in model.parameters():
+                dist.group.WORLD.allreduce([parameter.grad]).wait()
+                parameter.grad /= G''',), name="07_data_parallel_training.ipynb", stub=STUB_07,
+        exercise="average_gradients"),
+}
+
+
+@pytest.fixture(scope="module")
+def user():
+    (held,) = sandbox.sandbox_users(1, base="course_lib_test")
+    yield held
+    sandbox.sweep_user(held)
+    sandbox.release_users([held])
+
+
+@pytest.fixture
+def marks():
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-cheat-marks-"))
+    folder.chmod(0o777)                       # the sandbox user may leave its mark here, and nothing else of ours
+    yield folder
+
+
+def _as_notebook(cheat) -> Notebook:
+    return cheat if isinstance(cheat, Notebook) else Notebook((cheat,))
+
+
+def _notebook(folder, cheat, mark: pathlib.Path) -> pathlib.Path:
+    cheat = _as_notebook(cheat)
+    sources = [textwrap.dedent(cell).strip().replace("MARK", repr(str(mark))) for cell in cheat.cells]
+    sources[0] = f"open({str(mark)!r}, 'w').close()\n" + sources[0]
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(cheat.stub)] + [nbformat.v4.new_code_cell(s) for s in sources]
+    path = folder / cheat.name
+    nbformat.write(notebook, path)
+    return path
+
+
+def _processes_of(uid: int) -> list[int]:
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            uids = next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1:]
+        except (OSError, StopIteration):
+            continue
+        if str(uid) in uids:
+            found.append(int(status.parent.name))
+    return found
+
+
+def _course_lib_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "course_lib").rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_there_are_at_least_eight_cheats():
+    assert len(CHEATS) >= 8
+
+
+@pytest.mark.parametrize("name", sorted(CHEATS))
+def test_a_cheat_on_an_empty_submission_scores_zero(name, user, marks, tmp_path):
+    before = _course_lib_digest()
+    cheat = _as_notebook(CHEATS[name])
+    mark = marks / name
+    path = _notebook(tmp_path, cheat, mark)
+    started = time.monotonic()
+    grade = judge.grade_notebook(path, user=user, **dict(cheat.limits))
+    assert mark.exists(), f"the cheat did not run: {grade.notes}"
+    assert grade.status == "graded", grade.notes
+    assert [t["name"] for t in grade.tests] == [cheat.exercise]
+    assert grade.score == 0 and grade.max_score == registry.get(cheat.exercise).points, grade.tests[0]["output"]
+    assert all(not line["met"] for line in grade.tests[0]["lines"])
+    assert time.monotonic() - started < dict(cheat.limits).get("timeout", 900)
+    assert _processes_of(user.uid) == [], "a process the submission started outlived its grading"
+    assert _course_lib_digest() == before, "a submission changed course_lib's files"
+    if name == "reads_the_judges_memory_and_files":        # the warden's and the judge's, then two folders
+        tries = mark.read_text().splitlines()
+        assert len(tries) == 10 and all(t.endswith(": PermissionError") for t in tries), tries
+    if name == "sleeps_past_the_timeouts_and_ignores_interrupts":
+        assert any("the kernel died in cell 2" in note for note in grade.notes), grade.notes
+
+
+def test_a_cheat_cannot_forge_the_commands_results(user, marks, tmp_path):
+    """The cheat looks for the judge's --json path and writes full marks there; the judge writes after it is gone."""
+    mark = marks / "results"
+    path = _notebook(tmp_path, CHEATS["writes_results_files"], mark)
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert mark.exists()
+    results = json.loads(out.read_text())
+    assert results["score"] == 0 and results["tests"], results
+
+
+def test_without_a_user_switch_the_warden_still_stops_everything_the_submission_left(marks, tmp_path):
+    """The sandbox as the judge's own user (a grader without root): setsid and double forks are still found."""
+    mark = marks / "same-user"
+    path = _notebook(tmp_path, CHEATS["leaves_background_processes"], mark)
+    grade = judge.grade_notebook(path, user=None, cell_timeout=60)
+    assert mark.exists() and grade.score == 0
+    assert "3 processes the notebook started were still running after grading and were stopped" in grade.notes
+
+    def command_line(path):
+        try:
+            return path.read_bytes()
+        except OSError:
+            return b""
+    assert [p for p in pathlib.Path("/proc").glob("[0-9]*/cmdline") if command_line(p).startswith(b"sleep\x00600")] == []
