@@ -56,7 +56,8 @@ def _children():
 
 
 def test_the_planted_catalogue_covers_every_function_exercise_and_enough_bugs():
-    functions = {e.name for e in registry.all_exercises() if e.kind == "function"}
+    # notebooks 00-07; tests/planted_bugs_part2.py catalogues the exercises of 08-11 (test_exercises_part2.py)
+    functions = {e.name for e in registry.all_exercises() if e.kind == "function" and e.notebook[:2] <= "07"}
     assert {e.exercise for e in pb.CORRECT} == functions
     assert {e.exercise for e in pb.BUGS} == functions
     assert len(pb.BUGS) >= 20

@@ -1,0 +1,434 @@
+"""Learner code for the exercises of notebooks 08-11 and the capstone: correct solutions in two or more
+styles, and planted bugs, each with a piece of the first problem its check must report (`expect`).
+
+Same catalogue format as tests/planted_bugs.py (which includes these entries): used by
+tests/test_exercises_part2.py on a few cases and by benchmarks/exercise_catch_rate.py on every hidden case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from course_lib import p2p
+
+
+def _rg():
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ==================================================================================================
+# tree (notebook 11)
+# ==================================================================================================
+
+
+def tree_lowest_bit_p2p(tensor):
+    """The notebook's tree: reduce step j, ranks with lowest set bit 2^j send to r - 2^j; blocking p2p."""
+    rank, G = _rg()
+    levels = (G - 1).bit_length()
+    incoming = torch.empty_like(tensor)
+    for j in range(levels):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(tensor, rank - mask)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor += incoming
+    for j in reversed(range(levels)):
+        mask = 1 << j
+        if rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.send(tensor, rank + mask)
+        elif rank % (2 * mask) == mask:
+            p2p.recv(tensor, rank - mask)
+
+
+def tree_highest_bit_dist(tensor):
+    """The mirrored tree: the distance halves each reduce step (rank r sends to r minus its highest set bit),
+    torch.distributed directly, isend + wait; a parent first collects all its children."""
+    rank, G = _rg()
+    parent = rank - (1 << (rank.bit_length() - 1)) if rank else None
+    children = [rank + d for d in (1 << k for k in range(G.bit_length())) if d > rank and rank + d < G]
+    for child in sorted(children, reverse=True):
+        buffer = torch.zeros_like(tensor)
+        dist.recv(buffer, child)
+        tensor.add_(buffer)
+    if parent is not None:
+        dist.isend(tensor.clone(), parent).wait()
+        dist.recv(tensor, parent)
+    for child in sorted(children):
+        dist.send(tensor, child)
+
+
+def tree_parent_minus_one(tensor):                # tree_lowest_bit_p2p sending up to rank - 1
+    rank, G = _rg()
+    levels = (G - 1).bit_length()
+    incoming = torch.empty_like(tensor)
+    for j in range(levels):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(tensor, rank - 1)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor += incoming
+    for j in reversed(range(levels)):
+        mask = 1 << j
+        if rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.send(tensor, rank + mask)
+        elif rank % (2 * mask) == mask:
+            p2p.recv(tensor, rank - mask)
+
+
+def tree_overwrites_in_reduce(tensor):            # tree_lowest_bit_p2p with tensor.copy_(incoming) for +=
+    rank, G = _rg()
+    levels = (G - 1).bit_length()
+    incoming = torch.empty_like(tensor)
+    for j in range(levels):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(tensor, rank - mask)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor.copy_(incoming)
+    for j in reversed(range(levels)):
+        mask = 1 << j
+        if rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.send(tensor, rank + mask)
+        elif rank % (2 * mask) == mask:
+            p2p.recv(tensor, rank - mask)
+
+
+def tree_floor_log(tensor):                        # levels = floor(log2 G): one level short when G is no power of 2
+    rank, G = _rg()
+    levels = G.bit_length() - 1
+    incoming = torch.empty_like(tensor)
+    for j in range(levels):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(tensor, rank - mask)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor += incoming
+    for j in reversed(range(levels)):
+        mask = 1 << j
+        if rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.send(tensor, rank + mask)
+        elif rank % (2 * mask) == mask:
+            p2p.recv(tensor, rank - mask)
+
+
+def tree_broadcast_adds(tensor):                   # the broadcast receives into a buffer and adds it
+    rank, G = _rg()
+    levels = (G - 1).bit_length()
+    incoming = torch.empty_like(tensor)
+    for j in range(levels):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(tensor, rank - mask)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor += incoming
+    for j in reversed(range(levels)):
+        mask = 1 << j
+        if rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.send(tensor, rank + mask)
+        elif rank % (2 * mask) == mask:
+            p2p.recv(incoming, rank - mask)
+            tensor += incoming
+
+
+def tree_reduce_only(tensor):                      # forgets the broadcast: only rank 0 has the sum
+    rank, G = _rg()
+    incoming = torch.empty_like(tensor)
+    for j in range((G - 1).bit_length()):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(tensor, rank - mask)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor += incoming
+
+
+def tree_broadcasts_inputs(tensor):                # sends a copy taken before the reduce: the input goes down
+    rank, G = _rg()
+    levels = (G - 1).bit_length()
+    original = tensor.clone()
+    incoming = torch.empty_like(tensor)
+    for j in range(levels):
+        mask = 1 << j
+        if rank % (2 * mask) == mask:
+            p2p.send(original, rank - mask)
+        elif rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.recv(incoming, rank + mask)
+            tensor += incoming
+    for j in reversed(range(levels)):
+        mask = 1 << j
+        if rank % (2 * mask) == 0 and rank + mask < G:
+            p2p.send(tensor, rank + mask)
+        elif rank % (2 * mask) == mask:
+            p2p.recv(tensor, rank - mask)
+
+
+# ==================================================================================================
+# halving_doubling (notebook 11)
+# ==================================================================================================
+
+
+def _fold_pairs(flat, rank, G, core):
+    """The notebook's fold: ranks 0..2E-1 pair up, the even one hands its tensor to the odd one."""
+    P = 1 << (G.bit_length() - 1)
+    E = G - P
+    if rank < 2 * E and rank % 2 == 0:
+        p2p.send(flat, rank + 1)
+        p2p.recv(flat, rank + 1)
+        return
+    if rank < 2 * E:
+        incoming = torch.empty_like(flat)
+        p2p.recv(incoming, rank - 1)
+        flat += incoming
+    virtual = rank // 2 if rank < 2 * E else rank - E
+    real = lambda v: 2 * v + 1 if v < E else v + E  # noqa: E731
+    core(flat, virtual, P, real)
+    if rank < 2 * E:
+        p2p.send(flat, rank - 1)
+
+
+def _hd_blocks_core(flat, v, P, real, distances=None, same_order=False, keep_upper=False, whole=False):
+    """Recursive halving over P tensor_split blocks, then doubling back; the distances P/2, ..., 1."""
+    offsets = [0]
+    for block in torch.tensor_split(flat, P):
+        offsets.append(offsets[-1] + block.numel())
+    lo, hi = 0, P
+    steps = []
+    for d in distances or [P >> (k + 1) for k in range(P.bit_length() - 1)]:
+        partner = v ^ d
+        mid = (lo + hi) // 2
+        lower, upper = (lo, mid), (mid, hi)
+        mine_lower = (v < partner) != keep_upper
+        keep, give = (lower, upper) if mine_lower else (upper, lower)
+        if whole:
+            keep, give = (lo, hi), (lo, hi)
+        steps.append((partner, keep, give))
+        a, b = offsets[give[0]], offsets[give[1]]
+        c, e = offsets[keep[0]], offsets[keep[1]]
+        buffer = torch.empty(e - c)
+        request = p2p.isend(flat[a:b].clone(), real(partner))
+        p2p.recv(buffer, real(partner))
+        request.wait()
+        flat[c:e] += buffer
+        lo, hi = keep
+    for partner, keep, give in (steps if same_order else reversed(steps)):
+        a, b = offsets[give[0]], offsets[give[1]]
+        c, e = offsets[keep[0]], offsets[keep[1]]
+        request = p2p.isend(flat[c:e].clone(), real(partner))
+        p2p.recv(flat[a:b], real(partner))
+        request.wait()
+
+
+def hd_blocks_pairs(tensor):
+    """The notebook's: P blocks from tensor_split, distance halving, lower rank keeps the lower half, pairs fold."""
+    rank, G = _rg()
+    _fold_pairs(tensor, rank, G, _hd_blocks_core)
+
+
+def hd_elements_top_doubling(tensor):
+    """Another style: halves cut at element midpoints, distances 1, 2, ..., P/2, torch.distributed directly,
+    irecv posted first; the top E ranks fold into ranks 0..E-1."""
+    rank, G = _rg()
+    P = 1 << (G.bit_length() - 1)
+    if rank >= P:
+        dist.send(tensor, rank - P)
+        dist.recv(tensor, rank - P)
+        return
+    if rank + P < G:
+        incoming = torch.zeros_like(tensor)
+        dist.recv(incoming, rank + P)
+        tensor.add_(incoming)
+    lo, hi, history = 0, tensor.numel(), []
+    d = 1
+    while d < P:
+        partner = rank ^ d
+        mid = (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if rank & d == 0 else ((mid, hi), (lo, mid))
+        buffer = torch.zeros(keep[1] - keep[0])
+        receive = dist.irecv(buffer, partner)
+        send = dist.isend(tensor[give[0]:give[1]].clone(), partner)
+        receive.wait()
+        send.wait()
+        tensor[keep[0]:keep[1]] += buffer
+        history.append((partner, keep, give))
+        lo, hi = keep
+        d *= 2
+    for partner, keep, give in reversed(history):
+        receive = dist.irecv(tensor[give[0]:give[1]], partner)
+        send = dist.isend(tensor[keep[0]:keep[1]].clone(), partner)
+        receive.wait()
+        send.wait()
+    if rank + P < G:
+        dist.send(tensor, rank + P)
+
+
+def hd_partner_plus(tensor):                     # partner (v + d) mod P instead of v XOR d (right for d = P/2 only)
+    rank, G = _rg()
+
+    def core(flat, v, P, real):
+        d, lo, hi = P // 2, 0, flat.numel()
+        steps = []
+        while d >= 1:
+            to, source = (v + d) % P, (v - d) % P
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
+            buffer = torch.empty(keep[1] - keep[0])
+            request = p2p.isend(flat[give[0]:give[1]].clone(), real(to))
+            p2p.recv(buffer, real(source))
+            request.wait()
+            flat[keep[0]:keep[1]] += buffer
+            steps.append((to, source, keep, give))
+            lo, hi = keep
+            d //= 2
+        for to, source, keep, give in reversed(steps):
+            request = p2p.isend(flat[keep[0]:keep[1]].clone(), real(source))
+            p2p.recv(flat[give[0]:give[1]], real(to))
+            request.wait()
+    _fold_pairs(tensor, rank, G, core)
+
+
+def hd_same_order_all_gather(tensor):            # the all-gather repeats the reduce-scatter's order
+    rank, G = _rg()
+    _fold_pairs(tensor, rank, G, lambda flat, v, P, real: _hd_blocks_core(flat, v, P, real, same_order=True))
+
+
+def hd_both_keep_lower(tensor):                  # both partners keep the lower half
+    rank, G = _rg()
+
+    def core(flat, v, P, real):
+        offsets = [0]
+        for block in torch.tensor_split(flat, P):
+            offsets.append(offsets[-1] + block.numel())
+        lo, hi, steps = 0, P, []
+        d = P // 2
+        while d >= 1:
+            partner = v ^ d
+            mid = (lo + hi) // 2
+            keep, give = (lo, mid), (mid, hi)
+            buffer = torch.empty(offsets[keep[1]] - offsets[keep[0]])
+            request = p2p.isend(flat[offsets[give[0]]:offsets[give[1]]].clone(), real(partner))
+            p2p.recv(buffer, real(partner))
+            request.wait()
+            flat[offsets[keep[0]]:offsets[keep[1]]] += buffer
+            steps.append((partner, keep, give))
+            lo, hi = keep
+            d //= 2
+        for partner, keep, give in reversed(steps):
+            request = p2p.isend(flat[offsets[keep[0]]:offsets[keep[1]]].clone(), real(partner))
+            p2p.recv(flat[offsets[give[0]]:offsets[give[1]]], real(partner))
+            request.wait()
+    _fold_pairs(tensor, rank, G, core)
+
+
+def hd_step_short(tensor):                       # one halving step fewer: range(m - 1)
+    rank, G = _rg()
+    _fold_pairs(tensor, rank, G, lambda flat, v, P, real: _hd_blocks_core(
+        flat, v, P, real, distances=[P >> (k + 1) for k in range(max(P.bit_length() - 2, 0))]))
+
+
+def hd_whole_tensor(tensor):                     # swaps the whole tensor every step (recursive doubling) twice over
+    rank, G = _rg()
+    _fold_pairs(tensor, rank, G, lambda flat, v, P, real: _hd_blocks_core(flat, v, P, real, whole=True))
+
+
+def hd_no_fold(tensor):                          # power-of-two only: the extra ranks are left out
+    rank, G = _rg()
+    P = 1 << (G.bit_length() - 1)
+    if rank >= P:
+        return
+    _hd_blocks_core(tensor, rank, P, lambda u: u)
+
+
+def hd_no_unfold(tensor):                        # folds, but never sends the result back
+    rank, G = _rg()
+    P = 1 << (G.bit_length() - 1)
+    E = G - P
+    if rank < 2 * E and rank % 2 == 0:
+        p2p.send(tensor, rank + 1)
+        return
+    if rank < 2 * E:
+        incoming = torch.empty_like(tensor)
+        p2p.recv(incoming, rank - 1)
+        tensor += incoming
+    virtual = rank // 2 if rank < 2 * E else rank - E
+    _hd_blocks_core(tensor, virtual, P, lambda v: 2 * v + 1 if v < E else v + E)
+
+
+def hd_floor_halves(tensor):                     # halves of N // 2: the last element is never sent
+    rank, G = _rg()
+    P = 1 << (G.bit_length() - 1)
+    if G != P:
+        return hd_blocks_pairs(tensor)
+    lo, hi, history, d = 0, tensor.numel(), [], P // 2
+    size = tensor.numel()
+    while d >= 1:
+        partner = rank ^ d
+        half = size // 2
+        keep, give = ((lo, lo + half), (lo + half, lo + 2 * half)) if rank < partner else \
+            ((lo + half, lo + 2 * half), (lo, lo + half))
+        buffer = torch.empty(keep[1] - keep[0])
+        request = p2p.isend(tensor[give[0]:give[1]].clone(), partner)
+        p2p.recv(buffer, partner)
+        request.wait()
+        tensor[keep[0]:keep[1]] += buffer
+        history.append((partner, keep, give))
+        lo, hi = keep
+        size = half
+        d //= 2
+    for partner, keep, give in reversed(history):
+        request = p2p.isend(tensor[keep[0]:keep[1]].clone(), partner)
+        p2p.recv(tensor[give[0]:give[1]], partner)
+        request.wait()
+
+
+# ==================================================================================================
+# The catalogue
+# ==================================================================================================
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A solution or a planted bug. `sizes`: the world sizes the quick test runs it on (the benchmark runs every
+    hidden case); `expect`: for a bug, a piece of the first problem reported."""
+
+    exercise: str
+    fn: Callable
+    expect: str = ""
+    sizes: tuple = (1, 3, 4)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+CORRECT = [
+    Entry("tree", tree_lowest_bit_p2p), Entry("tree", tree_highest_bit_dist, sizes=(1, 3, 4, 6)),
+    Entry("halving_doubling", hd_blocks_pairs, sizes=(1, 3, 4, 6)),
+    Entry("halving_doubling", hd_elements_top_doubling, sizes=(1, 3, 4, 6)),
+]
+
+BUGS = [
+    Entry("tree", tree_parent_minus_one, "in the binomial tree rank r sends its partial sum up to r minus its lowest "
+                                         "set bit", sizes=(4,)),
+    Entry("tree", tree_overwrites_in_reduce, "it overwrote its tensor with what it received"),
+    Entry("tree", tree_floor_log, "rank 2 sent nothing in reduce step 1", sizes=(3,)),
+    Entry("tree", tree_broadcast_adds, "it added the result it received"),
+    Entry("tree", tree_reduce_only, "sent nothing in broadcast step"),
+    Entry("tree", tree_broadcasts_inputs, "only its own input"),
+    Entry("halving_doubling", hd_partner_plus, "pairs rank r with r XOR 1", sizes=(4,)),
+    Entry("halving_doubling", hd_same_order_all_gather, "all-gather step 0: rank 0 sent to rank 2", sizes=(4,)),
+    Entry("halving_doubling", hd_both_keep_lower, "each kept the half it gave away"),
+    Entry("halving_doubling", hd_step_short, "reduce-scatter step 1: rank 0 sent to rank 2", sizes=(4,)),
+    Entry("halving_doubling", hd_whole_tensor, "elements belong in reduce-scatter step 0"),
+    Entry("halving_doubling", hd_no_fold, "sent nothing in fold step 0", sizes=(3,)),
+    Entry("halving_doubling", hd_no_unfold, "sent nothing in unfold step 0", sizes=(3,)),
+    Entry("halving_doubling", hd_floor_halves, "never covered it", sizes=(2,)),
+]
