@@ -390,6 +390,87 @@ def hd_floor_halves(tensor):                     # halves of N // 2: the last el
 
 
 # ==================================================================================================
+# fit_alpha_beta (notebook 10)
+# ==================================================================================================
+
+
+def fit_lstsq_rows_over_t(sizes, times):
+    """numpy: divide every row of X = [1, n] and t by t, then lstsq."""
+    import numpy as np
+
+    t = np.array(times)
+    X = np.column_stack([np.ones(len(sizes)), np.array(sizes)]) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(X, t / t, rcond=None)
+    return alpha, beta
+
+
+def fit_normal_equations(sizes, times):
+    """Pure Python: the 2 x 2 normal equations of sum ((a + b n - t) / t)^2, solved by Cramer's rule."""
+    w = [1 / t ** 2 for t in times]
+    s1 = sum(w)
+    sn = sum(wi * n for wi, n in zip(w, sizes))
+    snn = sum(wi * n * n for wi, n in zip(w, sizes))
+    st = sum(wi * t for wi, t in zip(w, times))
+    snt = sum(wi * n * t for wi, n, t in zip(w, sizes, times))
+    det = s1 * snn - sn * sn
+    return (st * snn - sn * snt) / det, (s1 * snt - sn * st) / det
+
+
+def fit_polyfit_weights(sizes, times):
+    """np.polyfit's w multiplies each residual: w = 1/t is the relative error."""
+    import numpy as np
+
+    beta, alpha = np.polyfit(np.array(sizes, dtype=float), np.array(times), 1, w=1 / np.array(times))
+    return float(alpha), float(beta)
+
+
+def fit_swapped(sizes, times):                    # returns (beta, alpha)
+    alpha, beta = fit_lstsq_rows_over_t(sizes, times)
+    return beta, alpha
+
+
+def fit_bandwidth(sizes, times):                  # returns 1/beta, the bandwidth, for beta
+    alpha, beta = fit_lstsq_rows_over_t(sizes, times)
+    return alpha, 1 / beta
+
+
+def fit_milliseconds(sizes, times):               # alpha in ms
+    alpha, beta = fit_lstsq_rows_over_t(sizes, times)
+    return alpha * 1e3, beta
+
+
+def fit_sizes_in_mib(sizes, times):               # sizes converted to MiB first: beta per MiB
+    return fit_lstsq_rows_over_t([n / 2 ** 20 for n in sizes], times)
+
+
+def fit_plain_least_squares(sizes, times):        # unweighted: the 64 MiB point dominates
+    import numpy as np
+
+    X = np.column_stack([np.ones(len(sizes)), np.array(sizes)])
+    (alpha, beta), *_ = np.linalg.lstsq(X, np.array(times), rcond=None)
+    return alpha, beta
+
+
+def fit_through_origin(sizes, times):             # no column of ones: alpha forced to 0
+    import numpy as np
+
+    n, t = np.array(sizes), np.array(times)
+    return 0.0, float((n / t) @ np.ones_like(t) / ((n / t) @ (n / t)))
+
+
+def fit_two_endpoints(sizes, times):              # the line through the smallest and the largest point
+    beta = (times[-1] - times[0]) / (sizes[-1] - sizes[0])
+    return times[0] - beta * sizes[0], beta
+
+
+def fit_weights_squared(sizes, times):            # polyfit with w = 1/t^2: residuals divided by t twice
+    import numpy as np
+
+    beta, alpha = np.polyfit(np.array(sizes, dtype=float), np.array(times), 1, w=1 / np.array(times) ** 2)
+    return float(alpha), float(beta)
+
+
+# ==================================================================================================
 # The catalogue
 # ==================================================================================================
 
@@ -415,6 +496,10 @@ CORRECT = [
     Entry("halving_doubling", hd_elements_top_doubling, sizes=(1, 3, 4, 6)),
 ]
 
+CORRECT += [Entry("fit_alpha_beta", fit_lstsq_rows_over_t, sizes=(1,)),
+            Entry("fit_alpha_beta", fit_normal_equations, sizes=(1,)),
+            Entry("fit_alpha_beta", fit_polyfit_weights, sizes=(1,))]
+
 BUGS = [
     Entry("tree", tree_parent_minus_one, "in the binomial tree rank r sends its partial sum up to r minus its lowest "
                                          "set bit", sizes=(4,)),
@@ -431,4 +516,12 @@ BUGS = [
     Entry("halving_doubling", hd_no_fold, "sent nothing in fold step 0", sizes=(3,)),
     Entry("halving_doubling", hd_no_unfold, "sent nothing in unfold step 0", sizes=(3,)),
     Entry("halving_doubling", hd_floor_halves, "never covered it", sizes=(2,)),
+    Entry("fit_alpha_beta", fit_swapped, "the two values are swapped", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_bandwidth, "is a bandwidth", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_milliseconds, "is in milliseconds", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_sizes_in_mib, "seconds per MiB", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_plain_least_squares, "That is ordinary least squares", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_through_origin, "not through the origin", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_two_endpoints, "the relative least-squares fit gives", sizes=(1,)),
+    Entry("fit_alpha_beta", fit_weights_squared, "the relative least-squares fit gives", sizes=(1,)),
 ]

@@ -61,6 +61,8 @@ SLIPS = {
     "halving_doubling": [(pb.hd_no_fold, {"non_power_of_two", "uneven"}),
                          (pb.hd_whole_tensor, {"halves"}),
                          (pb.hd_same_order_all_gather, {"partners", "values"})],
+    "fit_alpha_beta": [(pb.fit_swapped, {"returned"}), (pb.fit_plain_least_squares, {"weighted"}),
+                       (pb.fit_through_origin, {"fit"})],
 }
 
 
@@ -70,6 +72,26 @@ def test_a_slip_keeps_the_lines_it_gets_right(name):
         result, _ = _run(name, fn, (1, 3, 4))
         assert 0.2 <= result.score / result.max_score <= 0.9, (fn.__name__, repr(result))
         assert {line.key for line in result.lines if line.tested and not line.met} == missed, (fn.__name__, repr(result))
+
+
+def test_the_fit_exercise_asks_for_the_relative_fit_and_plain_least_squares_is_not_it():
+    """The reference is cost.fit's relative weighting; on every noisy case plain least squares misses by > 2%, so the
+    'weighted' line is about something; on the recorded modeled-link run the fit finds the link it was set to."""
+    from course_lib import cost
+    from course_lib.exercises import fitting
+
+    exercise = registry.get("fit_alpha_beta")
+    for case in exercise.cases(hidden=True):
+        (inputs,) = exercise.inputs(case)
+        alpha, beta = fitting.relative_fit(inputs["sizes"], inputs["times"])
+        reference = cost.fit(cost.Model("one message", lambda g: 1.0, lambda g: 1.0, lambda g: 0.0, "a + n b"),
+                             [2] * len(inputs["sizes"]), inputs["sizes"], inputs["times"])
+        assert abs(alpha / reference.alpha - 1) < 1e-9 and abs(beta / reference.beta - 1) < 1e-9
+        if case.data == "noisy":
+            plain_alpha, _ = fitting.plain_fit(inputs["sizes"], inputs["times"])
+            assert abs(plain_alpha / alpha - 1) > 0.02, case
+        if case.data == "measured":
+            assert abs(alpha / 5e-3 - 1) < 0.03 and abs(beta / 1e-9 - 1) < 0.03
 
 
 def test_the_halving_doubling_schedule_pairs_partners_by_xor_and_halves_the_sizes():

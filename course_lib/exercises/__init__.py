@@ -34,6 +34,8 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
     ring                 05        ring(tensor)                        the two phases: the whole all-reduce
     average_gradients    07        average_gradients(model)            after backward: every .grad becomes the
                                                                        mean over the ranks
+    fit_alpha_beta       10        fit_alpha_beta(sizes, times)        (alpha, beta) of t = alpha + beta n, least
+                                                                       squares weighted by relative error
     tree                 11        tree(tensor)                        binomial-tree reduce to rank 0, then the
                                                                        sum back down the same tree
     halving_doubling     11        halving_doubling(tensor)            recursive halving (partner r XOR d), then

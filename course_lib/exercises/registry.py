@@ -249,4 +249,5 @@ _ORDER = ["pass_token", "batch_size_quiz", "batches_per_epoch", "batch_per_gpu",
 
 def _load_all() -> None:
     # The exercise modules register themselves on import.
-    from course_lib.exercises import allreduce_variants, basics, fast_variants, questions, ring, training_step  # noqa: F401
+    from course_lib.exercises import (allreduce_variants, basics, fast_variants, fitting, questions, ring,  # noqa: F401
+                                      training_step)
