@@ -142,8 +142,8 @@ class FitAlphaBeta(FunctionExercise):
         cases = [Case(1, len(SIZES), "exact", 0), Case(1, len(SIZES), "exact", 1),
                  Case(1, len(SIZES), "noisy", 1), Case(1, len(SIZES), "noisy", 4)]
         if hidden:
-            cases += [Case(1, len(SIZES), "exact", 2, hidden=True), Case(1, len(SIZES), "noisy", 4, hidden=True),
-                      Case(1, len(SIZES), "noisy", 5, hidden=True), Case(1, len(SIZES), "measured", 0, hidden=True)]
+            cases += [Case(1, len(SIZES), "exact", 2, hidden=True), Case(1, len(SIZES), "noisy", 7, hidden=True),
+                      Case(1, len(SIZES), "noisy", 10, hidden=True), Case(1, len(SIZES), "measured", 0, hidden=True)]
         return cases
 
     def inputs(self, case):
