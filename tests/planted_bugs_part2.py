@@ -471,6 +471,125 @@ def fit_weights_squared(sizes, times):            # polyfit with w = 1/t^2: resi
 
 
 # ==================================================================================================
+# beat_the_ring (notebook 11's capstone)
+# ==================================================================================================
+
+
+def _ring(tensor):
+    """The learner's ring from notebook 05: scatter-reduce then all-gather, isend + recv."""
+    rank, G = _rg()
+    chunks = torch.tensor_split(tensor, G)
+    for s in range(G - 1):
+        buffer = torch.empty_like(chunks[(rank - s - 1) % G])
+        request = dist.isend(chunks[(rank - s) % G], (rank + 1) % G)
+        dist.recv(buffer, (rank - 1) % G)
+        request.wait()
+        chunks[(rank - s - 1) % G].add_(buffer)
+    for s in range(G - 1):
+        request = dist.isend(chunks[(rank + 1 - s) % G], (rank + 1) % G)
+        dist.recv(chunks[(rank - s) % G], (rank - 1) % G)
+        request.wait()
+
+
+def _recursive_doubling(tensor, blocking=False):
+    """Swap the whole tensor with the rank 2^j away, log2 P times; fold like halving-doubling otherwise."""
+    rank, G = _rg()
+
+    def core(flat, v, P, real):
+        incoming = torch.empty_like(flat)
+        d = 1
+        while d < P:
+            partner = real(v ^ d)
+            if blocking and v & d:
+                p2p.recv(incoming, partner)
+                p2p.send(flat, partner)
+            elif blocking:
+                p2p.send(flat, partner)
+                p2p.recv(incoming, partner)
+            else:
+                request = p2p.isend(flat.clone(), partner)
+                p2p.recv(incoming, partner)
+                request.wait()
+            flat += incoming
+            d *= 2
+    _fold_pairs(tensor, rank, G, core)
+
+
+def beat_ring_only(tensor, link):
+    """The plain ring everywhere: correct, and what the capstone is to beat."""
+    _ring(tensor)
+
+
+def beat_tuned_by_prediction(tensor, link):
+    """The learner's tuner: whichever of its own schedules the alpha-beta model says is fastest on this link."""
+    G = dist.get_world_size()
+    own = {"ring": _ring, "recursive_doubling": _recursive_doubling, "halving_doubling": hd_blocks_pairs,
+           "tree": tree_lowest_bit_p2p}
+    nbytes = tensor.numel() * tensor.element_size()
+    name = min(own, key=lambda n: link.predict(n, nbytes, G))
+    own[name](tensor)
+
+
+def beat_size_thresholds(tensor, link):
+    """Another style: the crossover worked out by hand from the alpha-beta costs (G a power of two, P = G):
+    recursive doubling, log2 P (a + N/B), beats halving-doubling, 2 log2 P a + 2(P-1)/P N/B, while
+    N < log2 P a B / (log2 P - 2(P-1)/P); above it halving-doubling (the ring never wins on this model)."""
+    G = dist.get_world_size()
+    P = 1 << (G.bit_length() - 1)
+    steps = P.bit_length() - 1
+    nbytes = tensor.numel() * tensor.element_size()
+    denominator = steps - 2 * (P - 1) / P
+    crossover = steps * link.latency * link.bandwidth / denominator if denominator > 0 else float("inf")
+    if nbytes < crossover:
+        _recursive_doubling(tensor)
+    else:
+        hd_elements_top_doubling(tensor)
+
+
+def beat_blocking_doubling(tensor, link):        # beat_size_thresholds with blocking, ordered sends in the swaps
+    G = dist.get_world_size()
+    P = 1 << (G.bit_length() - 1)
+    steps = P.bit_length() - 1
+    nbytes = tensor.numel() * tensor.element_size()
+    denominator = steps - 2 * (P - 1) / P
+    crossover = steps * link.latency * link.bandwidth / denominator if denominator > 0 else float("inf")
+    if nbytes < crossover:
+        _recursive_doubling(tensor, blocking=True)
+    else:
+        hd_elements_top_doubling(tensor)
+
+
+def beat_crossover_in_megabytes(tensor, link):   # the crossover computed with the bandwidth in MB/s: always halving-doubling
+    G = dist.get_world_size()
+    P = 1 << (G.bit_length() - 1)
+    steps = P.bit_length() - 1
+    nbytes = tensor.numel() * tensor.element_size()
+    crossover = steps * link.latency * (link.bandwidth / 1e6) / max(steps - 2 * (P - 1) / P, 1e-9)
+    if nbytes < crossover:
+        _recursive_doubling(tensor)
+    else:
+        hd_elements_top_doubling(tensor)
+
+
+def beat_tree_for_small(tensor, link):           # the tree where recursive doubling belongs: twice the latencies
+    G = dist.get_world_size()
+    nbytes = tensor.numel() * tensor.element_size()
+    if link.predict("recursive_doubling", nbytes, G) <= link.predict("halving_doubling", nbytes, G):
+        tree_lowest_bit_p2p(tensor)
+    else:
+        hd_blocks_pairs(tensor)
+
+
+def beat_doubling_keeps_copy(tensor, link):      # recursive doubling that adds into a copy and never writes back
+    G = dist.get_world_size()
+    nbytes = tensor.numel() * tensor.element_size()
+    if link.predict("recursive_doubling", nbytes, G) <= link.predict("halving_doubling", nbytes, G):
+        _recursive_doubling(tensor.clone())
+    else:
+        hd_blocks_pairs(tensor)
+
+
+# ==================================================================================================
 # The catalogue
 # ==================================================================================================
 
@@ -495,6 +614,11 @@ CORRECT = [
     Entry("halving_doubling", hd_blocks_pairs, sizes=(1, 3, 4, 6)),
     Entry("halving_doubling", hd_elements_top_doubling, sizes=(1, 3, 4, 6)),
 ]
+
+CORRECT += [Entry("beat_the_ring", beat_tuned_by_prediction, sizes=(1, 3, 4, 8)),
+            Entry("beat_the_ring", beat_size_thresholds, sizes=(1, 3, 4))]
+
+# The capstone's quick test runs G = 4 only (the 64 MiB cases take seconds each)
 
 CORRECT += [Entry("fit_alpha_beta", fit_lstsq_rows_over_t, sizes=(1,)),
             Entry("fit_alpha_beta", fit_normal_equations, sizes=(1,)),
@@ -524,4 +648,9 @@ BUGS = [
     Entry("fit_alpha_beta", fit_through_origin, "not through the origin", sizes=(1,)),
     Entry("fit_alpha_beta", fit_two_endpoints, "the relative least-squares fit gives", sizes=(1,)),
     Entry("fit_alpha_beta", fit_weights_squared, "the relative least-squares fit gives", sizes=(1,)),
+    Entry("beat_the_ring", beat_ring_only, "(exactly the ring's time), recursive doubling takes", sizes=(4,)),
+    Entry("beat_the_ring", beat_blocking_doubling, "Your critical path has 4 latencies", sizes=(4,)),
+    Entry("beat_the_ring", beat_crossover_in_megabytes, "Latencies dominate here", sizes=(4,)),
+    Entry("beat_the_ring", beat_tree_for_small, "(exactly the tree's time)", sizes=(4,)),
+    Entry("beat_the_ring", beat_doubling_keeps_copy, "was not changed", sizes=(4,)),
 ]

@@ -40,6 +40,9 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
                                                                        sum back down the same tree
     halving_doubling     11        halving_doubling(tensor)            recursive halving (partner r XOR d), then
                                                                        doubling back; fold when G != 2^m
+    beat_the_ring        11        beat_the_ring(tensor, link)         the capstone: any all-reduce, timed on two
+                                                                       modeled links, scored per size against
+                                                                       the best known schedule
 
 Tensors are 1-D float32, results in place, rank and world size from ``torch.distributed``, sum only;
 chunks are ``torch.tensor_split(tensor, G)``. Use `course_lib.p2p` or torch.distributed's own

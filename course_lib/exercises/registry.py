@@ -166,6 +166,15 @@ class FunctionExercise(Exercise):
     forbidden: tuple = ("collectives", "allreduce")
     observed: ClassVar[tuple] = ("after", "returned")   # a class attribute: subclasses set their own
     ring_picture: bool = False  # draw the failing step of a ring schedule
+    time_factor: float = 1.0    # the case timeout and the check's budget are multiplied by this (large tensors)
+
+    def tracer_options(self, case: Case) -> dict:
+        """Extra `tracing.Tracer` arguments for `case` (the capstone keeps only message sizes for its large cases)."""
+        return {}
+
+    def report_lines(self, case_results) -> list:
+        """Lines the report adds after the verdict (the capstone's table of where the time went); none by default."""
+        return []
 
     def cases(self, hidden: bool = False) -> list[Case]:
         """The usual cases (world sizes, lengths, tagged and random data); exercises that need roots or
@@ -249,5 +258,5 @@ _ORDER = ["pass_token", "batch_size_quiz", "batches_per_epoch", "batch_per_gpu",
 
 def _load_all() -> None:
     # The exercise modules register themselves on import.
-    from course_lib.exercises import (allreduce_variants, basics, fast_variants, fitting, questions, ring,  # noqa: F401
-                                      training_step)
+    from course_lib.exercises import (allreduce_variants, basics, capstone, fast_variants, fitting,  # noqa: F401
+                                      questions, ring, training_step)
