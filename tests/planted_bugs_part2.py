@@ -590,6 +590,97 @@ def beat_doubling_keeps_copy(tensor, link):      # recursive doubling that adds 
 
 
 # ==================================================================================================
+# ring_hook (notebook 09)
+# ==================================================================================================
+
+
+def _done(tensor):
+    future = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def hook_divide_then_ring(state, bucket):
+    """As DDP's own hook: divide by G first (no overflow in fp16), then the ring, in place on the buffer."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    _ring(buffer)
+    return _done(buffer)
+
+
+def hook_ring_on_a_copy_then_divide(state, bucket):
+    """Another style: the ring on a flat copy through course_lib.p2p, divided afterwards, a new tensor returned."""
+    rank, G = _rg()
+    flat = bucket.buffer().clone()
+    chunks = torch.tensor_split(flat, G)
+    for s in range(G - 1):
+        incoming = torch.empty_like(chunks[(rank - s - 1) % G])
+        if rank % 2 == 0:
+            p2p.send(chunks[(rank - s) % G].clone(), (rank + 1) % G)
+            p2p.recv(incoming, (rank - 1) % G)
+        else:
+            p2p.recv(incoming, (rank - 1) % G)
+            p2p.send(chunks[(rank - s) % G].clone(), (rank + 1) % G)
+        chunks[(rank - s - 1) % G].add_(incoming)
+    for s in range(G - 1):
+        request = p2p.isend(chunks[(rank + 1 - s) % G].clone(), (rank + 1) % G)
+        p2p.recv(chunks[(rank - s) % G], (rank - 1) % G)
+        request.wait()
+    return _done(flat / G)
+
+
+def hook_sum_not_mean(state, bucket):             # hook_divide_then_ring without the division
+    buffer = bucket.buffer()
+    _ring(buffer)
+    return _done(buffer)
+
+
+def hook_no_exchange(state, bucket):              # divides, but never all-reduces
+    buffer = bucket.buffer()
+    return _done(buffer.div_(dist.get_world_size()))
+
+
+def hook_reduces_twice(state, bucket):            # the ring twice over the bucket
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    _ring(buffer)
+    _ring(buffer)
+    return _done(buffer)
+
+
+def hook_returns_tensor(state, bucket):           # returns the tensor itself instead of a Future
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    _ring(buffer)
+    return buffer
+
+
+def hook_ring_to_the_left(state, bucket):         # the ring turned the other way: sends to r - 1
+    rank, G = _rg()
+    buffer = bucket.buffer()
+    buffer.div_(G)
+    chunks = torch.tensor_split(buffer, G)
+    for s in range(G - 1):
+        incoming = torch.empty_like(chunks[(rank + s + 1) % G])
+        request = dist.isend(chunks[(rank + s) % G], (rank - 1) % G)
+        dist.recv(incoming, (rank + 1) % G)
+        request.wait()
+        chunks[(rank + s + 1) % G].add_(incoming)
+    for s in range(G - 1):
+        request = dist.isend(chunks[(rank - 1 + s) % G], (rank - 1) % G)
+        dist.recv(chunks[(rank + s) % G], (rank + 1) % G)
+        request.wait()
+    return _done(buffer)
+
+
+def hook_divides_by_g_minus_one(state, bucket):   # hook_divide_then_ring with G - 1 for G
+    buffer = bucket.buffer()
+    buffer.div_(max(dist.get_world_size() - 1, 1))
+    _ring(buffer)
+    return _done(buffer)
+
+
+# ==================================================================================================
 # The catalogue
 # ==================================================================================================
 
@@ -619,6 +710,8 @@ CORRECT += [Entry("beat_the_ring", beat_tuned_by_prediction, sizes=(1, 3, 4, 8))
             Entry("beat_the_ring", beat_size_thresholds, sizes=(1, 3, 4))]
 
 # The capstone's quick test runs G = 4 only (the 64 MiB cases take seconds each)
+
+CORRECT += [Entry("ring_hook", hook_divide_then_ring), Entry("ring_hook", hook_ring_on_a_copy_then_divide)]
 
 CORRECT += [Entry("fit_alpha_beta", fit_lstsq_rows_over_t, sizes=(1,)),
             Entry("fit_alpha_beta", fit_normal_equations, sizes=(1,)),
@@ -653,4 +746,10 @@ BUGS = [
     Entry("beat_the_ring", beat_crossover_in_megabytes, "Latencies dominate here", sizes=(4,)),
     Entry("beat_the_ring", beat_tree_for_small, "(exactly the tree's time)", sizes=(4,)),
     Entry("beat_the_ring", beat_doubling_keeps_copy, "was not changed", sizes=(4,)),
+    Entry("ring_hook", hook_sum_not_mean, "the sum over the ranks, not the mean"),
+    Entry("ring_hook", hook_no_exchange, "no GPU sent a message"),
+    Entry("ring_hook", hook_reduces_twice, "the bucket was all-reduced twice"),
+    Entry("ring_hook", hook_returns_tensor, "did not return a completed torch.futures.Future"),
+    Entry("ring_hook", hook_ring_to_the_left, "your ring sends only to the right neighbour"),
+    Entry("ring_hook", hook_divides_by_g_minus_one, "divided by G - 1", sizes=(3,)),
 ]

@@ -61,6 +61,9 @@ SLIPS = {
     "halving_doubling": [(pb.hd_no_fold, {"non_power_of_two", "uneven"}),
                          (pb.hd_whole_tensor, {"halves"}),
                          (pb.hd_same_order_all_gather, {"partners", "values"})],
+    "ring_hook": [(pb.hook_sum_not_mean, {"mean", "training"}), (pb.hook_ring_to_the_left, {"ring"})],
+    "beat_the_ring": [(pb.beat_ring_only, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"}),
+                      (pb.beat_blocking_doubling, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"})],
     "fit_alpha_beta": [(pb.fit_swapped, {"returned"}), (pb.fit_plain_least_squares, {"weighted"}),
                        (pb.fit_through_origin, {"fit"})],
 }

@@ -34,6 +34,9 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
     ring                 05        ring(tensor)                        the two phases: the whole all-reduce
     average_gradients    07        average_gradients(model)            after backward: every .grad becomes the
                                                                        mean over the ranks
+    ring_hook            09        ring_hook(state, bucket) -> Future  DDP communication hook: average the bucket
+                                                                       with your own ring; DDP then trains like
+                                                                       one process
     fit_alpha_beta       10        fit_alpha_beta(sizes, times)        (alpha, beta) of t = alpha + beta n, least
                                                                        squares weighted by relative error
     tree                 11        tree(tensor)                        binomial-tree reduce to rank 0, then the
