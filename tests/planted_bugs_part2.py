@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import p2p
+from course_lib.exercises.training_step import LR as LR_ZERO   # the learning rate the zero1_step check trains with
 
 
 def _rg():
@@ -681,6 +682,316 @@ def hook_divides_by_g_minus_one(state, bucket):   # hook_divide_then_ring with G
 
 
 # ==================================================================================================
+# overlapped_buckets (notebook 11)
+# ==================================================================================================
+
+
+def overlap_counters(buckets, start_allreduce):
+    """Count the gradients each bucket still waits for; the hook of its last one copies them into a flat buffer and
+    starts the bucket. finish() waits in bucket order, divides by G and copies back."""
+    G = dist.get_world_size()
+    missing = [len(bucket) for bucket in buckets]
+    flats, handles = [None] * len(buckets), [None] * len(buckets)
+
+    def ready(k):
+        missing[k] -= 1
+        if missing[k] == 0:
+            flats[k] = torch.cat([p.grad.reshape(-1) for p in buckets[k]])
+            handles[k] = start_allreduce(k, flats[k])
+
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(lambda _p, k=k: ready(k))
+
+    def finish():
+        for k, bucket in enumerate(buckets):
+            handles[k].wait()
+            for p, piece in zip(bucket, torch.split(flats[k] / G, [p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p))
+            missing[k] = len(bucket)
+    return finish
+
+
+def overlap_sets(buckets, start_allreduce):
+    """Another style: a set of the parameters still pending per bucket (reset at the start of finish's loop), one
+    preallocated flat buffer per bucket filled with narrow() and offsets, waited for last bucket first."""
+    G = dist.get_world_size()
+    where = {}
+    buffers = []
+    for k, bucket in enumerate(buckets):
+        offset = 0
+        for p in bucket:
+            where[id(p)] = (k, offset)
+            offset += p.numel()
+        buffers.append(torch.zeros(offset))
+    pending = [set(id(p) for p in bucket) for bucket in buckets]
+    handles = {}
+
+    def hook(p):
+        k, offset = where[id(p)]
+        buffers[k].narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
+        pending[k].discard(id(p))
+        if not pending[k]:
+            handles[k] = start_allreduce(k, buffers[k])
+
+    for bucket in buckets:
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for k in reversed(range(len(buckets))):
+            handles.pop(k).wait()
+            for p in buckets[k]:
+                _, offset = where[id(p)]
+                p.grad.copy_(buffers[k].narrow(0, offset, p.numel()).view_as(p) / G)
+            pending[k] = set(id(p) for p in buckets[k])
+    return finish
+
+
+def overlap_starts_in_finish(buckets, start_allreduce):   # no hooks: every bucket starts after backward
+    G = dist.get_world_size()
+
+    def finish():
+        flats = [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets]
+        handles = [start_allreduce(k, flat) for k, flat in enumerate(flats)]
+        for k, bucket in enumerate(buckets):
+            handles[k].wait()
+            for p, piece in zip(bucket, torch.split(flats[k] / G, [p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p))
+    return finish
+
+
+def overlap_waits_in_hook(buckets, start_allreduce):       # overlap_counters waiting right after the start
+    G = dist.get_world_size()
+    missing = [len(bucket) for bucket in buckets]
+    flats = [None] * len(buckets)
+
+    def ready(k):
+        missing[k] -= 1
+        if missing[k] == 0:
+            flats[k] = torch.cat([p.grad.reshape(-1) for p in buckets[k]])
+            start_allreduce(k, flats[k]).wait()
+
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(lambda _p, k=k: ready(k))
+
+    def finish():
+        for k, bucket in enumerate(buckets):
+            for p, piece in zip(bucket, torch.split(flats[k] / G, [p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p))
+            missing[k] = len(bucket)
+    return finish
+
+
+def overlap_starts_on_first_gradient(buckets, start_allreduce):   # starts when the first gradient arrives
+    G = dist.get_world_size()
+    flats, handles = [None] * len(buckets), [None] * len(buckets)
+
+    def ready(k, p):
+        if handles[k] is None:
+            flats[k] = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel())
+                                  for q in buckets[k]])
+            handles[k] = start_allreduce(k, flats[k])
+
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(lambda p, k=k: ready(k, p))
+
+    def finish():
+        for k, bucket in enumerate(buckets):
+            handles[k].wait()
+            for p, piece in zip(bucket, torch.split(flats[k] / G, [p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p))
+            handles[k] = None
+    return finish
+
+
+def overlap_never_resets(buckets, start_allreduce):        # overlap_counters without resetting the counts
+    G = dist.get_world_size()
+    missing = [len(bucket) for bucket in buckets]
+    flats, handles = [None] * len(buckets), [None] * len(buckets)
+
+    def ready(k):
+        missing[k] -= 1
+        if missing[k] == 0:
+            flats[k] = torch.cat([p.grad.reshape(-1) for p in buckets[k]])
+            handles[k] = start_allreduce(k, flats[k])
+
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(lambda _p, k=k: ready(k))
+
+    def finish():
+        for k, bucket in enumerate(buckets):
+            handles[k].wait()
+            for p, piece in zip(bucket, torch.split(flats[k] / G, [p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p))
+    return finish
+
+
+def overlap_sum_not_mean(buckets, start_allreduce):        # overlap_counters without the division by G
+    missing = [len(bucket) for bucket in buckets]
+    flats, handles = [None] * len(buckets), [None] * len(buckets)
+
+    def ready(k):
+        missing[k] -= 1
+        if missing[k] == 0:
+            flats[k] = torch.cat([p.grad.reshape(-1) for p in buckets[k]])
+            handles[k] = start_allreduce(k, flats[k])
+
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(lambda _p, k=k: ready(k))
+
+    def finish():
+        for k, bucket in enumerate(buckets):
+            handles[k].wait()
+            for p, piece in zip(bucket, torch.split(flats[k], [p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p))
+            missing[k] = len(bucket)
+    return finish
+
+
+# ==================================================================================================
+# zero1_step (notebook 11)
+# ==================================================================================================
+
+
+def _ring_reduce_scatter(flat):
+    """The ring's scatter-reduce, shifted so that rank r ends owning chunk r (not r + 1): returns chunk r's sum."""
+    rank, G = _rg()
+    chunks = [c.clone() for c in torch.tensor_split(flat, G)]
+    for s in range(G - 1):
+        send_c, recv_c = (rank - s - 1) % G, (rank - s - 2) % G
+        incoming = torch.empty_like(chunks[recv_c])
+        request = dist.isend(chunks[send_c], (rank + 1) % G)
+        dist.recv(incoming, (rank - 1) % G)
+        request.wait()
+        chunks[recv_c] += incoming
+    return chunks[rank]
+
+
+def _ring_all_gather_into(flat, mine):
+    """The ring's all-gather: rank r starts with chunk r complete (`mine`) and ends with every chunk in `flat`."""
+    rank, G = _rg()
+    chunks = torch.tensor_split(flat, G)
+    chunks[rank].copy_(mine)
+    for s in range(G - 1):
+        request = dist.isend(chunks[(rank - s) % G].clone(), (rank + 1) % G)
+        dist.recv(chunks[(rank - s - 1) % G], (rank - 1) % G)
+        request.wait()
+
+
+def zero_ring(flat_params, momentum):
+    """Reduce-scatter by a ring, SGD with momentum on shard r, all-gather by a ring."""
+    rank, G = _rg()
+    buffer = torch.zeros_like(torch.tensor_split(flat_params, G)[rank])
+
+    def step(flat_grad):
+        g = _ring_reduce_scatter(flat_grad) / G
+        buffer.mul_(momentum).add_(g)
+        shard = torch.tensor_split(flat_params, G)[rank]
+        updated = shard - LR_ZERO * buffer
+        _ring_all_gather_into(flat_params, updated)
+    return step, [buffer]
+
+
+def zero_direct(flat_params, momentum):
+    """Another style: every rank sends each owner its chunk directly (isend to all), the owner sums and updates, then
+    sends its shard to everyone; p2p calls, irecv posted first."""
+    rank, G = _rg()
+    sizes = [c.numel() for c in torch.tensor_split(flat_params, G)]
+    state = {"buffer": torch.zeros(sizes[rank])}
+
+    def step(flat_grad):
+        pieces = torch.tensor_split(flat_grad, G)
+        incoming = [torch.empty(sizes[rank]) for _ in range(G)]
+        receives = [p2p.irecv(incoming[r], r) for r in range(G) if r != rank]
+        sends = [p2p.isend(pieces[r].clone(), r) for r in range(G) if r != rank]
+        for request in receives + sends:
+            request.wait()
+        incoming[rank] = pieces[rank].clone()
+        g = torch.stack(incoming).sum(0) / G
+        state["buffer"] = momentum * state["buffer"] + g
+        shard = torch.tensor_split(flat_params, G)[rank]
+        shard -= LR_ZERO * state["buffer"]
+        chunks = torch.tensor_split(flat_params, G)
+        receives = [p2p.irecv(chunks[r], r) for r in range(G) if r != rank]
+        sends = [p2p.isend(shard.clone(), r) for r in range(G) if r != rank]
+        for request in receives + sends:
+            request.wait()
+    return step, [state["buffer"]]
+
+
+def zero_whole_tensor(flat_params, momentum):   # all-reduce of the whole gradient, momentum for every parameter
+    rank, G = _rg()
+    buffer = torch.zeros_like(flat_params)
+
+    def step(flat_grad):
+        g = flat_grad.clone()
+        _ring(g)
+        buffer.mul_(momentum).add_(g / G)
+        flat_params.sub_(LR_ZERO * buffer)
+    return step, [buffer]
+
+
+def zero_gathers_into_wrong_slot(flat_params, momentum):   # zero_ring putting shard r into slot r + 1
+    rank, G = _rg()
+    buffer = torch.zeros_like(torch.tensor_split(flat_params, G)[rank])
+
+    def step(flat_grad):
+        g = _ring_reduce_scatter(flat_grad) / G
+        buffer.mul_(momentum).add_(g)
+        updated = torch.tensor_split(flat_params, G)[rank] - LR_ZERO * buffer
+        gathered = [torch.empty(c.numel()) for c in torch.tensor_split(flat_params, G)]
+        gathered[rank] = updated
+        for s in range(G - 1):
+            request = dist.isend(gathered[(rank - s) % G].clone(), (rank + 1) % G)
+            dist.recv(gathered[(rank - s - 1) % G], (rank - 1) % G)
+            request.wait()
+        for c, chunk in enumerate(torch.tensor_split(flat_params, G)):
+            source = gathered[(c - 1) % G]
+            if source.numel() == chunk.numel():
+                chunk.copy_(source)
+    return step, [buffer]
+
+
+def zero_sum_not_mean(flat_params, momentum):   # zero_ring without the division by G
+    rank, G = _rg()
+    buffer = torch.zeros_like(torch.tensor_split(flat_params, G)[rank])
+
+    def step(flat_grad):
+        g = _ring_reduce_scatter(flat_grad)
+        buffer.mul_(momentum).add_(g)
+        updated = torch.tensor_split(flat_params, G)[rank] - LR_ZERO * buffer
+        _ring_all_gather_into(flat_params, updated)
+    return step, [buffer]
+
+
+def zero_gathers_gradients(flat_params, momentum):   # all-gathers the reduced gradient, every rank updates everything
+    rank, G = _rg()
+    buffer = torch.zeros_like(flat_params)
+
+    def step(flat_grad):
+        g = torch.zeros_like(flat_params)
+        _ring_all_gather_into(g, _ring_reduce_scatter(flat_grad) / G)
+        buffer.mul_(momentum).add_(g)
+        flat_params.sub_(LR_ZERO * buffer)
+    return step, [torch.tensor_split(buffer, G)[rank]]
+
+
+def zero_momentum_forgotten(flat_params, momentum):   # a fresh buffer every step: plain SGD
+    rank, G = _rg()
+
+    def step(flat_grad):
+        buffer = _ring_reduce_scatter(flat_grad) / G
+        updated = torch.tensor_split(flat_params, G)[rank] - LR_ZERO * buffer
+        _ring_all_gather_into(flat_params, updated)
+    return step, [torch.zeros(torch.tensor_split(flat_params, G)[rank].numel())]
+
+
+# ==================================================================================================
 # The catalogue
 # ==================================================================================================
 
@@ -712,6 +1023,9 @@ CORRECT += [Entry("beat_the_ring", beat_tuned_by_prediction, sizes=(1, 3, 4, 8))
 # The capstone's quick test runs G = 4 only (the 64 MiB cases take seconds each)
 
 CORRECT += [Entry("ring_hook", hook_divide_then_ring), Entry("ring_hook", hook_ring_on_a_copy_then_divide)]
+
+CORRECT += [Entry("overlapped_buckets", overlap_counters), Entry("overlapped_buckets", overlap_sets),
+            Entry("zero1_step", zero_ring), Entry("zero1_step", zero_direct)]
 
 CORRECT += [Entry("fit_alpha_beta", fit_lstsq_rows_over_t, sizes=(1,)),
             Entry("fit_alpha_beta", fit_normal_equations, sizes=(1,)),
@@ -752,4 +1066,14 @@ BUGS = [
     Entry("ring_hook", hook_returns_tensor, "did not return a completed torch.futures.Future"),
     Entry("ring_hook", hook_ring_to_the_left, "your ring sends only to the right neighbour"),
     Entry("ring_hook", hook_divides_by_g_minus_one, "divided by G - 1", sizes=(3,)),
+    Entry("overlapped_buckets", overlap_starts_in_finish, "started after backward finished: nothing overlapped"),
+    Entry("overlapped_buckets", overlap_waits_in_hook, "waited for inside backward"),
+    Entry("overlapped_buckets", overlap_starts_on_first_gradient, "was started before its last gradient"),
+    Entry("overlapped_buckets", overlap_never_resets, "step 1: rank 0's bucket 0"),
+    Entry("overlapped_buckets", overlap_sum_not_mean, "not their mean"),
+    Entry("zero1_step", zero_whole_tensor, "ZeRO-1 keeps only its shard's"),
+    Entry("zero1_step", zero_gathers_into_wrong_slot, "the all-gather put rank 2's shard where rank 0's belongs"),
+    Entry("zero1_step", zero_sum_not_mean, "differ from plain data parallelism"),
+    Entry("zero1_step", zero_gathers_gradients, "carried updated parameters"),
+    Entry("zero1_step", zero_momentum_forgotten, "differ from plain data parallelism"),
 ]

@@ -64,6 +64,8 @@ SLIPS = {
     "ring_hook": [(pb.hook_sum_not_mean, {"mean", "training"}), (pb.hook_ring_to_the_left, {"ring"})],
     "beat_the_ring": [(pb.beat_ring_only, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"}),
                       (pb.beat_blocking_doubling, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"})],
+    "overlapped_buckets": [(pb.overlap_starts_in_finish, {"overlap"}), (pb.overlap_waits_in_hook, {"overlap"})],
+    "zero1_step": [(pb.zero_whole_tensor, {"shard", "gather"}), (pb.zero_sum_not_mean, {"training"})],
     "fit_alpha_beta": [(pb.fit_swapped, {"returned"}), (pb.fit_plain_least_squares, {"weighted"}),
                        (pb.fit_through_origin, {"fit"})],
 }

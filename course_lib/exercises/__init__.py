@@ -43,6 +43,11 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
                                                                        sum back down the same tree
     halving_doubling     11        halving_doubling(tensor)            recursive halving (partner r XOR d), then
                                                                        doubling back; fold when G != 2^m
+    overlapped_buckets   11        overlapped_buckets(buckets,         gradient hooks start each bucket's
+                                   start_allreduce) -> finish          all-reduce when it is ready; finish()
+                                                                       waits, before the step
+    zero1_step           11        zero1_step(flat_params, momentum)   ZeRO-1: reduce-scatter, update your shard
+                                   -> (step, state)                    (its momentum only), all-gather
     beat_the_ring        11        beat_the_ring(tensor, link)         the capstone: any all-reduce, timed on two
                                                                        modeled links, scored per size against
                                                                        the best known schedule
