@@ -122,3 +122,34 @@ def test_the_tree_plan_sends_each_subtree_up_once_and_the_sum_down():
     assert [(e.phase, e.peer, sorted(e.holds)) for e in plan[4]] == [("reduce", 0, [4, 5]), ("broadcast", 5, list(range(6)))]
     assert [e.peer for e in plan[0]] == [4, 2, 1]            # farthest child first
     assert [(e.phase, e.peer) for e in tree_plan(6, "high")[3]] == [("reduce", 1)]
+
+
+# Notebook 08's questions: the right answer, and slips that keep half.
+QUESTIONS = {
+    "straggler_staleness": (5, [6, 1.75, 2.5]),
+    "stable_step_size": (0.178, [0.8, 0.445, 0.4]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUESTIONS))
+def test_the_questions_of_notebook_08_score_blank_right_and_slips(name):
+    from course_lib import exercises
+
+    right, slips = QUESTIONS[name]
+    assert exercises.check(name, ...).score == 0
+    assert exercises.check(name, right).score == 1
+    for answer in slips:
+        result = exercises.check(name, answer)
+        assert result.score == 0.5, (answer, repr(result))
+        assert "That" in repr(result)          # the slip's hint, not only "not right"
+
+
+def test_the_recorded_run_is_computed_and_its_staleness_follows_the_definition():
+    from course_lib.exercises.stale_questions import recorded_run
+
+    log = recorded_run()
+    assert [u.applied_at for u in log] == list(range(len(log)))
+    assert all(u.staleness >= 0 for u in log)
+    straggler = [u for u in log if u.worker == 1]
+    assert [u.staleness for u in straggler] == [4, 6]          # the fast workers' updates land while it computes
+    assert recorded_run({1: 1}) == [type(log[0])(k, 1, k, k) for k in range(len(log))]   # alone: always fresh

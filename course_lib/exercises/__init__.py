@@ -74,6 +74,8 @@ Questions (`answer` is a value, or a function of G and N for a formula):
     traffic_ring                   06  formula: elements all ranks send, ring
     traffic_ring_per_rank          06  formula: elements one rank sends, ring (N divisible by G)
     ring_steps                     06  formula: steps of the ring all-reduce
+    straggler_staleness            08  a number: mean staleness of the straggler's gradients in a recorded run
+    stable_step_size               08  a number: the largest stable step size for staleness s and curvature L
 
 A formula is a string such as "G*(G-1)*N" (also "G(G-1)N", "2(G-1)N/G"; parsed with `ast`, never
 executed) or a Python function ``lambda G, N: ...``.

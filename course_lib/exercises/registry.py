@@ -252,11 +252,11 @@ _ORDER = ["pass_token", "batch_size_quiz", "batches_per_epoch", "batch_per_gpu",
           "broadcast", "all_gather", "naive", "parameter_server", "traffic_naive", "traffic_naive_per_rank",
           "traffic_parameter_server", "traffic_parameter_server_root", "naive_vs_master_ranks",
           "ring_scatter_reduce", "ring_all_gather", "ring", "traffic_ring", "traffic_ring_per_rank",
-          "ring_steps", "average_gradients", "staleness_read_off", "largest_stable_step", "ring_hook",
+          "ring_steps", "average_gradients", "straggler_staleness", "stable_step_size", "ring_hook",
           "fit_alpha_beta", "tree", "halving_doubling", "overlapped_buckets", "zero1_step", "beat_the_ring"]
 
 
 def _load_all() -> None:
     # The exercise modules register themselves on import.
     from course_lib.exercises import (allreduce_variants, basics, capstone, ddp_hook, fast_variants,  # noqa: F401
-                                      fitting, overlap_zero, questions, ring, training_step)
+                                      fitting, overlap_zero, questions, ring, stale_questions, training_step)
