@@ -270,8 +270,9 @@ class BeatTheRing(FunctionExercise):
     def cases(self, hidden=False):
         small = [Case(c.world_size, c.numel, c.data, c.seed, link, c.hidden)
                  for c in standard_cases(hidden) for link in range(len(LINKS))]
-        timed = [Case(G, nbytes // 4, "timed", 0, link) for G in WORLD_SIZES for nbytes in SIZES
-                 for link in range(len(LINKS))]
+        # The learner's check times G = 4 (the table, in about ten seconds); the grader adds G = 8.
+        timed = [Case(G, nbytes // 4, "timed", 0, link, hidden=G != WORLD_SIZES[0]) for G in WORLD_SIZES
+                 for nbytes in SIZES for link in range(len(LINKS)) if hidden or G == WORLD_SIZES[0]]
         return sorted(small + timed, key=lambda c: (c.world_size, c.data == "timed", c.numel))
 
     def inputs(self, case):
