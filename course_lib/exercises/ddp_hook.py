@@ -166,7 +166,8 @@ def _mean_problem(returned, before, mean, tol, G, rank, where, sends):
         return (f"{where}: rank {rank}'s hook returned G times the mean and sent {sends} messages, two ring "
                 "all-reduces' worth: the bucket was all-reduced twice. One ring all-reduce per bucket, 2(G-1) messages.")
     if G > 1 and close(G * mean, G):
-        return f"{where}: rank {rank}'s hook returned the sum over the ranks, not the mean: divide by the world size, {G}."
+        return (f"{where}: rank {rank}'s hook returned the sum over the ranks, not the mean: divide by the world size, {G}"
+                + (" (dividing by G - 1 = 1 leaves the sum)." if G == 2 else "."))
     if G > 1 and close(G * G * mean, G * G):
         return (f"{where}: rank {rank}'s hook returned G times the sum: the bucket was all-reduced twice (DDP calls "
                 "the hook once per bucket; do not all-reduce the parameters' .grad as well).")

@@ -315,8 +315,9 @@ class Zero1Step(FunctionExercise):
                 # before is an updated shard, whether or not the update was right (that is the 'training' line)
                 after = record["parameters"][step].double()
                 before = (record["initial"] if step == 0 else record["parameters"][step - 1]).double()
-                if not any(_is_part_of(m.data.double(), after) and not _is_part_of(m.data.double(), before)
-                           for m in sends):
+                reference = record["reference"][step].double()
+                if not any((_is_part_of(m.data.double(), after) or _is_part_of(m.data.double(), reference))
+                           and not _is_part_of(m.data.double(), before) for m in sends):
                     total = sum(m.numel for m in sends)
                     return [Problem(
                         f"step {step}: no message rank {rank} sent carried updated parameters ({len(sends)} messages, "
@@ -341,8 +342,8 @@ class Zero1Step(FunctionExercise):
                 other = next((j for j in range(G) if j != chunk and wanted[j].numel() == piece.numel()
                               and bool(((wanted[j] - piece).abs() <= 1e-5).all())), None)
                 if torch.equal(piece, torch.tensor_split(before, G)[chunk]):
-                    why = (f" Shard {chunk} still holds the values before the step: rank {chunk}'s updated shard never "
-                           "reached it.")
+                    why = (f" Slot {chunk} still holds the values before the step: rank {chunk}'s updated shard never "
+                           "reached it (or went to another slot).")
                 elif other is not None:
                     why = (f" Slot {chunk} holds shard {other}'s updated values: the all-gather put rank {other}'s shard "
                            f"where rank {chunk}'s belongs (shard r goes to torch.tensor_split(flat, G)[r]).")
