@@ -287,7 +287,7 @@ class Zero1Step(FunctionExercise):
             held = record["state_bytes"]
             if not isinstance(held, int) or held <= 0:
                 problems.append(Problem(f"rank {rank} returned no optimizer-state tensor: return step, [momentum "
-                                        "buffer of your shard], so the check can count its bytes.", order=(1, rank),
+                                        "buffer of your shard], so the check can count its bytes.", order=(-1, rank),
                                         line="shard"))
                 break
             if G > 1 and held > 1.5 * mine + 64:
@@ -295,7 +295,7 @@ class Zero1Step(FunctionExercise):
                     f"rank {rank}'s optimizer state holds {held} bytes" + (f", the momentum of all N = {size} parameters "
                                                                           f"(4 N = {full})" if held == full else "")
                     + f": ZeRO-1 keeps only its shard's, 4 |shard {rank}| = {mine} bytes, about 1/G of it. Update only "
-                      f"torch.tensor_split(flat, G)[{rank}], then all-gather.", order=(1, rank), line="shard"))
+                      f"torch.tensor_split(flat, G)[{rank}], then all-gather.", order=(-1, rank), line="shard"))
                 break
         problems += self._gather_problems(case, records, shards)
         problems += self._training_problems(case, records, shards)
@@ -322,7 +322,7 @@ class Zero1Step(FunctionExercise):
                     return [Problem(
                         f"step {step}: no message rank {rank} sent carried updated parameters ({len(sends)} messages, "
                         f"{total} elements): ZeRO-1 all-gathers the shards after each rank updated its own, so every "
-                        "rank's shard of new parameters must travel to the others.", order=(2, step, rank),
+                        "rank's shard of new parameters must travel to the others.", order=(step, 2, rank),
                         line="gather")]
         return []
 
@@ -351,7 +351,7 @@ class Zero1Step(FunctionExercise):
                     why = ""
                 return [Problem(f"after step {step} rank {rank}'s parameters differ from plain data parallelism (one "
                                 f"process, SGD with momentum {MOMENTUM}) by up to {gap.max().item():.3g}, first in shard "
-                                f"{chunk}." + why, order=(3, step, rank), line="training")]
+                                f"{chunk}." + why, order=(step, 3, rank), line="training")]
         return []
 
 
