@@ -3,8 +3,10 @@
     python benchmarks/exercise_catch_rate.py                      # checks only
     python benchmarks/exercise_catch_rate.py --grade --repeat 3   # and course_lib.grade on notebooks 04, 05
     python benchmarks/exercise_catch_rate.py --out benchmarks/results/exercise_catch_rate.txt
+    python benchmarks/exercise_catch_rate.py --part 2 --out benchmarks/results/exercise_catch_rate_part2.txt
 
-Every entry of tests/planted_bugs.py goes through the public `exercises.check(name, fn, hidden=True)`, i.e.
+Every entry of tests/planted_bugs.py (notebooks 00-07; with --part 2, tests/planted_bugs_part2.py: 08-11 and the
+capstone) goes through the public `exercises.check(name, fn, hidden=True)`, i.e.
 every hidden case on G = 1..8 ranks, with the default time limits. A bug is *caught* when it loses points;
 its feedback *names it* when the first problem reported contains the phrase the catalogue expects. A
 correct solution must get full marks. The machine's load average is printed with the figures: the
@@ -24,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import planted_bugs  # noqa: E402
+import planted_bugs_part2  # noqa: E402
 
 from course_lib import exercises, grade  # noqa: E402
 
@@ -38,7 +41,13 @@ def main(argv=None) -> int:
     parser.add_argument("--grade", action="store_true", help="also time course_lib.grade on notebooks 04 and 05")
     parser.add_argument("--repeat", type=int, default=1, help="grades per notebook (median and spread)")
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--part", type=int, choices=(1, 2), default=1,
+                        help="1: the catalogue of notebooks 00-07; 2: that of 08-11 and the capstone")
+    parser.add_argument("--only", help="only the entries of this exercise")
     args = parser.parse_args(argv)
+    catalogue = planted_bugs if args.part == 1 else planted_bugs_part2
+    correct = [e for e in catalogue.CORRECT if args.only in (None, e.exercise)]
+    bugs = [e for e in catalogue.BUGS if args.only in (None, e.exercise)]
     lines = [f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (times move with it)"]
 
     def say(text=""):
@@ -47,7 +56,7 @@ def main(argv=None) -> int:
 
     say("\ncorrect solutions (must get full marks), hidden cases included:")
     wrong, times = [], []
-    for entry in planted_bugs.CORRECT:
+    for entry in correct:
         started = time.perf_counter()
         result = exercises.check(entry.exercise, entry.fn, hidden=True)
         times.append(time.perf_counter() - started)
@@ -57,7 +66,7 @@ def main(argv=None) -> int:
             f"{result.score:g}/{result.max_score:g}  {times[-1]:5.1f} s")
     say("\nplanted bugs (must lose points; the first problem should name the mistake):")
     caught, named, bug_times = 0, 0, []
-    for entry in planted_bugs.BUGS:
+    for entry in bugs:
         started = time.perf_counter()
         result = exercises.check(entry.exercise, entry.fn, hidden=True)
         bug_times.append(time.perf_counter() - started)
@@ -67,14 +76,14 @@ def main(argv=None) -> int:
         named += lost and names
         say(f"  {'caught' if lost else 'MISSED'} {'named' if names else 'vague'} {entry.exercise:20} "
             f"{entry.name:28} {result.score:g}/{result.max_score:g}  {bug_times[-1]:5.1f} s")
-    say(f"\ncatch rate: {caught}/{len(planted_bugs.BUGS)} = {caught / len(planted_bugs.BUGS):.1%} of planted bugs lose points")
-    say(f"named: {named}/{len(planted_bugs.BUGS)} report the expected first problem")
-    say(f"correct solutions with full marks: {len(planted_bugs.CORRECT) - len(wrong)}/{len(planted_bugs.CORRECT)}"
+    say(f"\ncatch rate: {caught}/{len(bugs)} = {caught / len(bugs):.1%} of planted bugs lose points")
+    say(f"named: {named}/{len(bugs)} report the expected first problem")
+    say(f"correct solutions with full marks: {len(correct) - len(wrong)}/{len(correct)}"
         + (f" (lost points: {', '.join(wrong)})" if wrong else ""))
     every = times + bug_times
     say(f"check time with hidden cases: median {statistics.median(every):.1f} s, min {min(every):.1f} s, "
         f"max {max(every):.1f} s over {len(every)} checks (the slowest are deadlocks and endless loops)")
-    if args.grade:
+    if args.grade and args.part == 1:
         say(f"\npython -m course_lib.grade, {args.repeat} run(s) per notebook (load average now "
             f"{os.getloadavg()[0]:.1f}):")
         for folder in ("assignments", "notebooks"):
@@ -88,7 +97,7 @@ def main(argv=None) -> int:
                 say(f"  {folder}/{name}: {', '.join(sorted(scores))} points, median {statistics.median(runs):.1f} s{spread}")
     if args.out:
         pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
-    return 0 if caught / len(planted_bugs.BUGS) >= 0.95 and not wrong else 1
+    return 0 if caught / len(bugs) >= 0.95 and not wrong else 1
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ def _children():
 
 
 def test_the_planted_catalogue_covers_every_function_exercise_and_enough_bugs():
-    functions = {e.name for e in registry.all_exercises() if e.kind == "function"}
+    # notebooks 00-07; tests/planted_bugs_part2.py catalogues the exercises of 08-11 (test_exercises_part2.py)
+    functions = {e.name for e in registry.all_exercises() if e.kind == "function" and e.notebook[:2] <= "07"}
     assert {e.exercise for e in pb.CORRECT} == functions
     assert {e.exercise for e in pb.BUGS} == functions
     assert len(pb.BUGS) >= 20
@@ -248,7 +249,8 @@ def test_every_question_accepts_its_answer_and_explains_the_usual_slips():
                                       "traffic_ring": ("ring", "total_sent"),
                                       "traffic_ring_per_rank": ("ring", "max_sent")}.items():
         answers[name] = traffic_plots.FORMULAS[(variant, quantity)][1]
-    questions_ = {e.name for e in registry.all_exercises() if e.kind == "question"}
+    # notebook 08's questions are tested in test_exercises_part2.py
+    questions_ = {e.name for e in registry.all_exercises() if e.kind == "question" and e.notebook[:2] <= "07"}
     assert set(answers) == questions_
     for name, answer in answers.items():
         assert exercises.check(name, answer).passed, (name, answer)

@@ -63,7 +63,7 @@ def _assert_named(result, missed) -> None:
 
 def test_every_exercise_of_notebooks_00_to_07_is_covered():
     names = {e.name for e in registry.all_exercises() if e.notebook[:2] <= "07"}
-    functions = {e.name for e in registry.all_exercises() if e.kind == "function"}
+    functions = {e.name for e in registry.all_exercises() if e.kind == "function" and e.notebook[:2] <= "07"}
     assert functions <= names and set(SLIPS) == functions
     assert all(len(slips) >= 2 for slips in SLIPS.values())
     assert set(QUESTION_ANSWERS) == names - functions
@@ -134,7 +134,7 @@ def test_a_slip_earns_only_the_lines_it_gets_right_everywhere():
 
 
 def test_every_rubric_line_is_tested_by_the_hidden_cases():
-    for exercise in registry.all_exercises():
+    for exercise in registry.all_exercises(include_pending=True):
         if exercise.kind != "function":
             continue
         cases = exercise.cases(hidden=True)
@@ -150,7 +150,7 @@ def test_the_defaults_are_documented_in_one_place():
     path = ROOT / "docs" / "rubric.toml"
     assert path.read_text() == rubric.defaults_toml(), "run: python -m course_lib.grade --rubric-defaults > docs/rubric.toml"
     weights = rubric.load_weights(path)
-    assert weights == {e.name: {line.key: float(line.points) for line in e.rubric} for e in registry.all_exercises()}
+    assert weights == {e.name: {line.key: float(line.points) for line in e.rubric} for e in registry.all_exercises(include_pending=True)}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -194,7 +194,7 @@ def test_the_listing_says_what_each_exercise_forbids():
 
 
 def test_slips_are_well_formed():
-    for exercise in registry.all_exercises():
+    for exercise in registry.all_exercises(include_pending=True):
         keys = {line.key for line in exercise.rubric}
         for slip in getattr(exercise, "slips", ()):
             assert isinstance(slip, Slip) and set(slip.met) <= keys and set(slip.met) != keys

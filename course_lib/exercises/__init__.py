@@ -34,6 +34,23 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
     ring                 05        ring(tensor)                        the two phases: the whole all-reduce
     average_gradients    07        average_gradients(model)            after backward: every .grad becomes the
                                                                        mean over the ranks
+    ring_hook            09        ring_hook(state, bucket) -> Future  DDP communication hook: average the bucket
+                                                                       with your own ring; DDP then trains like
+                                                                       one process
+    fit_alpha_beta       10        fit_alpha_beta(sizes, times)        (alpha, beta) of t = alpha + beta n, least
+                                                                       squares weighted by relative error
+    tree                 11        tree(tensor)                        binomial-tree reduce to rank 0, then the
+                                                                       sum back down the same tree
+    halving_doubling     11        halving_doubling(tensor)            recursive halving (partner r XOR d), then
+                                                                       doubling back; fold when G != 2^m
+    overlapped_buckets   11        overlapped_buckets(buckets,         gradient hooks start each bucket's
+                                   start_allreduce) -> finish          all-reduce when it is ready; finish()
+                                                                       waits, before the step
+    zero1_step           11        zero1_step(flat_params, momentum)   ZeRO-1: reduce-scatter, update your shard
+                                   -> (step, state)                    (its momentum only), all-gather
+    beat_the_ring        11        beat_the_ring(tensor, link)         the capstone: any all-reduce, timed on two
+                                                                       modeled links, scored per size against
+                                                                       the best known schedule
 
 Tensors are 1-D float32, results in place, rank and world size from ``torch.distributed``, sum only;
 chunks are ``torch.tensor_split(tensor, G)``. Use `course_lib.p2p` or torch.distributed's own
@@ -58,6 +75,8 @@ Questions (`answer` is a value, or a function of G and N for a formula):
     traffic_ring                   06  formula: elements all ranks send, ring
     traffic_ring_per_rank          06  formula: elements one rank sends, ring (N divisible by G)
     ring_steps                     06  formula: steps of the ring all-reduce
+    straggler_staleness            08  a number: mean staleness of the straggler's gradients in a recorded run
+    stable_step_size               08  a number: the largest stable step size for staleness s and curvature L
 
 A formula is a string such as "G*(G-1)*N" (also "G(G-1)N", "2(G-1)N/G"; parsed with `ast`, never
 executed) or a Python function ``lambda G, N: ...``.
@@ -132,9 +151,11 @@ class ExerciseInfo:
     summary: str
     forbids: str = ""
     rubric: tuple = ()
+    pending: bool = False   # checkable, but its cells are not in the notebook yet (not graded with it)
 
     def __repr__(self) -> str:
         text = f"{self.notebook[:2]}  {self.name:<30} {format_points(self.points):>4} pt  {self.signature}"
+        text += f"\n{'':<36}(not in the notebook yet)" if self.pending else ""
         return text + (f"\n{'':<36}forbids: {self.forbids}" if self.forbids else "")
 
 
@@ -150,8 +171,8 @@ def list_exercises(notebook: str | None = None) -> builtins.list:
         notebook: only this notebook's ('04', or '04_ring_scatter_reduce').
     """
     infos = [ExerciseInfo(e.name, e.notebook, e.points, e.kind, e.signature, e.summary, e.forbids,
-                          tuple((line.key, line.points, line.text) for line in e.rubric))
-             for e in registry.all_exercises()
+                          tuple((line.key, line.points, line.text) for line in e.rubric), registry.is_pending(e))
+             for e in registry.all_exercises(include_pending=True)
              if notebook is None or e.notebook.startswith(str(notebook))]
     return _Listing(infos)
 

@@ -36,7 +36,8 @@ from typing import ClassVar
 
 from course_lib.exercises.rubric import RubricLine, single_line
 
-__all__ = ["Case", "Problem", "Exercise", "FunctionExercise", "RubricLine", "register", "get", "all_exercises"]
+__all__ = ["Case", "Problem", "Exercise", "FunctionExercise", "RubricLine", "register", "get", "all_exercises",
+           "is_pending", "PENDING_NOTEBOOKS"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,15 @@ class FunctionExercise(Exercise):
     forbidden: tuple = ("collectives", "allreduce", "fast_allreduce")
     observed: ClassVar[tuple] = ("after", "returned")   # a class attribute: subclasses set their own
     ring_picture: bool = False  # draw the failing step of a ring schedule
+    time_factor: float = 1.0    # the case timeout and the check's budget are multiplied by this (large tensors)
+
+    def tracer_options(self, case: Case) -> dict:
+        """Extra `tracing.Tracer` arguments for `case` (the capstone keeps only message sizes for its large cases)."""
+        return {}
+
+    def report_lines(self, case_results) -> list:
+        """Lines the report adds after the verdict (the capstone's table of where the time went); none by default."""
+        return []
 
     def cases(self, hidden: bool = False) -> list[Case]:
         """The usual cases (world sizes, lengths, tagged and random data); exercises that need roots or
@@ -217,10 +227,24 @@ def get(name: str) -> Exercise:
         raise ValueError(f"there is no exercise called {name!r}.{hint} exercises.list() shows them all.") from None
 
 
-def all_exercises() -> list[Exercise]:
-    """Every exercise, in notebook order."""
+# Notebooks whose exercises are written and checkable (`get`, `exercises.check`, the rubric file) but whose
+# exercise and check cells are not placed in the notebook yet (notebooks 10 and 11 are being rewritten; the cells
+# to insert are written down in the issue's notes). Grading, the student copies and the README's assignment table
+# leave their exercises out until the notebook is taken off this list.
+PENDING_NOTEBOOKS = frozenset({"10_measure_it", "11_beat_the_ring"})
+
+
+def all_exercises(include_pending: bool = False) -> list[Exercise]:
+    """Every exercise, in notebook order; with `include_pending`, also those whose notebook has no cells for them
+    yet (`PENDING_NOTEBOOKS`)."""
     _load_all()
-    return sorted(_REGISTRY.values(), key=lambda e: (e.notebook, _ORDER.index(e.name) if e.name in _ORDER else 99))
+    return sorted((e for e in _REGISTRY.values() if include_pending or e.notebook not in PENDING_NOTEBOOKS),
+                  key=lambda e: (e.notebook, _ORDER.index(e.name) if e.name in _ORDER else 99))
+
+
+def is_pending(exercise: Exercise) -> bool:
+    """True for an exercise whose notebook does not have its cells yet."""
+    return exercise.notebook in PENDING_NOTEBOOKS
 
 
 # The order the exercises come in within their notebooks.
@@ -228,9 +252,11 @@ _ORDER = ["pass_token", "batch_size_quiz", "batches_per_epoch", "batch_per_gpu",
           "broadcast", "all_gather", "naive", "parameter_server", "traffic_naive", "traffic_naive_per_rank",
           "traffic_parameter_server", "traffic_parameter_server_root", "naive_vs_master_ranks",
           "ring_scatter_reduce", "ring_all_gather", "ring", "traffic_ring", "traffic_ring_per_rank",
-          "ring_steps", "average_gradients"]
+          "ring_steps", "average_gradients", "straggler_staleness", "stable_step_size", "ring_hook",
+          "fit_alpha_beta", "tree", "halving_doubling", "overlapped_buckets", "zero1_step", "beat_the_ring"]
 
 
 def _load_all() -> None:
     # The exercise modules register themselves on import.
-    from course_lib.exercises import allreduce_variants, basics, questions, ring, training_step  # noqa: F401
+    from course_lib.exercises import (allreduce_variants, basics, capstone, ddp_hook, fast_variants,  # noqa: F401
+                                      fitting, overlap_zero, questions, ring, stale_questions, training_step)

@@ -124,6 +124,7 @@ class Result:
             lines = [f"{exercise.name}: {format_points(score)}/{format_points(possible)} {_points_word(possible)}, {passed} of "
                      f"{total} cases passed" + (" (hidden cases included)" if hidden else "")]
             lines += rubric_text(rubric)
+        lines += exercise.report_lines(cases) if hasattr(exercise, "report_lines") else []
         first = next((c for c in cases if not c.passed), None)
         if first is not None:
             lines.append(f"First problem (case {first.case.label(exercise.root_name)}):")
@@ -178,6 +179,9 @@ class Result:
                              f'<img src="data:image/png;base64,{base64.b64encode(png).decode()}"/>')
         elif self.status != "passed" and len(self.feedback) > 1:
             parts.append(f"<pre>{html.escape(chr(10).join(self.feedback[1:]))}</pre>")
+        table = self._exercise.report_lines(self.cases) if hasattr(self._exercise, "report_lines") and self.cases else []
+        if table:
+            parts.append(f"<pre>{html.escape(chr(10).join(table))}</pre>")
         if self.cases:
             rows = []
             for c in self.cases:

@@ -232,7 +232,7 @@ def load_weights(path) -> dict:
     table = _parse(path)
     if not isinstance(table, dict):
         raise RubricFileError(f"{path}: expected a table of exercises, each a table of lines and points")
-    known = {e.name: e for e in registry.all_exercises()}
+    known = {e.name: e for e in registry.all_exercises(include_pending=True)}
     weights: dict = {}
     for name, lines in table.items():
         if name not in known:
@@ -266,9 +266,10 @@ def defaults_toml() -> str:
            "# and grade with `python -m course_lib.grade --rubric my_rubric.toml ...`. An exercise is worth the",
            "# sum of its lines. A family line (marked so) is about one family of cases; the others are judged on",
            "# the remaining cases; see course_lib/exercises/rubric.py for the rule.", ""]
-    for exercise in registry.all_exercises():
+    for exercise in registry.all_exercises(include_pending=True):
+        pending = " (its cells are not in the notebook yet)" if registry.is_pending(exercise) else ""
         out.append(f"[{exercise.name}]   # {exercise.notebook}, {format_points(exercise.points)} "
-                   f"point{'s' if exercise.points != 1 else ''}")
+                   f"point{'s' if exercise.points != 1 else ''}{pending}")
         width = max(len(line.key) for line in exercise.rubric)
         for line in exercise.rubric:
             family = f" [family: {line.family.name}]" if line.family else ""

@@ -222,8 +222,8 @@ def _rank_main(rank, world_size, exercise_name, fn, cases, inputs, first_index, 
     namespaces = [getattr(fn, "__globals__", None)]
     for offset, case in enumerate(cases):
         index = first_index + offset
-        tracer = Tracer(case_index=offset + 1, forbidden_modules=exercise.forbidden, namespaces=namespaces,
-                        largest_message=case.numel)
+        options = {"largest_message": case.numel, **exercise.tracer_options(case)}
+        tracer = Tracer(case_index=offset + 1, forbidden_modules=exercise.forbidden, namespaces=namespaces, **options)
         # Line the ranks up, so that every rank's watchdog starts counting at about the same moment: on a busy
         # machine a rank can start a case seconds after another, which would otherwise read as a hang.
         torch.distributed.barrier()
@@ -438,8 +438,8 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
     Returns:
         An `Outcome`: one `CaseResult` per case, or `not_done` when the function is not written yet.
     """
-    case_timeout = CASE_TIMEOUT if case_timeout is None else case_timeout
-    budget = BUDGET if budget is None else budget
+    case_timeout = (CASE_TIMEOUT if case_timeout is None else case_timeout) * exercise.time_factor
+    budget = (BUDGET if budget is None else budget) * exercise.time_factor
     cases = list(cases)
     inputs = [exercise.inputs(case) for case in cases]
     by_size: dict[int, list] = {}

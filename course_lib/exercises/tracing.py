@@ -199,13 +199,17 @@ class _TracedWork:
     """Stands in for the Work object an isend/irecv returns: `wait()` sets the status line, and an
     irecv's message is copied from its landing buffer into the learner's tensor once it has arrived."""
 
-    def __init__(self, work, tracer, call, peer, description, landing=None, tensor=None):
+    def __init__(self, work, tracer, call, peer, description, landing=None, tensor=None, event=None):
         self._work, self._tracer, self._blocked = work, tracer, (call, peer, description)
         self._landing, self._tensor = landing, tensor
+        self._event = event
 
     def _arrived(self):
         _deliver(self._landing, self._tensor)
         self._landing = None  # once: gloo hangs on a second wait, and a later copy would undo the learner's edits
+        if self._event is not None:   # the first wait (or completed poll) is when the program learnt it was done
+            self._tracer.events.append(("wait", self._event))
+            self._event = None
 
     def wait(self, *args, **kwargs):
         with self._tracer.blocked_in(*self._blocked):
@@ -235,13 +239,20 @@ class Tracer:
             for the tracer's versions while it is active.
         print_limit: characters of the learner's printing to keep.
 
-    After the block: ``messages`` (list of `Message`), ``printed`` (a `CappedWriter`).
+    After the block: ``messages`` (list of `Message`), ``printed`` (a `CappedWriter`), ``events`` (every call in
+    program order, waits included: what `capstone.replay` times).
     """
 
     def __init__(self, case_index: int = 0, forbidden_modules=("collectives", "allreduce"), namespaces=(),
-                 print_limit: int = 4000, largest_message: int = 0):
+                 print_limit: int = 4000, largest_message: int = 0, keep_data: bool = True, landing: bool = True):
         self.case_index = case_index
         self.largest_message = largest_message
+        # keep_data=False keeps only sizes (the capstone's 64 MiB cases: a copy of every message would double
+        # the memory); landing=False receives straight into the learner's buffer (see _landing)
+        self.keep_data, self.use_landing = keep_data, landing
+        # Every call in program order, for replaying the schedule on a modeled link (the capstone):
+        # ("send" | "isend" | "recv" | "irecv", peer, bytes, tag) and ("wait", index of the isend / irecv)
+        self.events: list[tuple] = []
         self.forbidden_modules = tuple(forbidden_modules)
         self.namespaces = [ns for ns in namespaces if isinstance(ns, dict)]
         self.messages: list[Message] = []
@@ -277,7 +288,7 @@ class Tracer:
         None (receive as asked) where a landing buffer cannot help: not a contiguous tensor (torch
         refuses it with its own message), or no message of the case can be longer than the buffer.
         """
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+        if not self.use_landing or not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
             return None
         room = max(self.largest_message, *(m.numel for m in self.messages if m.is_send), 0)
         if room <= tensor.numel():
@@ -306,9 +317,13 @@ class Tracer:
             numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
             description = (f"{name}({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''}"
                            + (f", tag={tag}" if tag else "") + ")")
+            nbytes = numel * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
             if name in ("send", "isend"):
-                data = tensor.detach().clone().cpu() if isinstance(tensor, torch.Tensor) else None
+                data = tensor.detach().clone().cpu() if isinstance(tensor, torch.Tensor) and tracer.keep_data else None
                 tracer.messages.append(Message(name, peer, numel, data, tag))
+            event = len(tracer.events)
+            if name != "recv":            # a blocking receive is logged once it knows its sender
+                tracer.events.append((name, peer, nbytes, tag))
             if name == "send":
                 with tracer.blocked_in(name, peer, description):
                     return original(*bound.args, **bound.kwargs)
@@ -320,6 +335,7 @@ class Tracer:
                     sender = original(*bound.args, **bound.kwargs)
                 _deliver(landing, tensor)
                 tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
+                tracer.events.append(("recv", sender if peer is None else peer, nbytes, tag))
                 return sender
             work = original(*bound.args, **bound.kwargs)
             if name == "irecv":
@@ -328,7 +344,7 @@ class Tracer:
                 return work
             return _TracedWork(work, tracer, f"{name}.wait", peer,
                                f"{name}.wait({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''})",
-                               landing=landing, tensor=tensor)
+                               landing=landing, tensor=tensor, event=event)
 
         wrapper.__name__ = wrapper.__qualname__ = name
         wrapper.__doc__ = original.__doc__

@@ -1,0 +1,423 @@
+"""The capstone of notebook 11, "beat the ring": any all-reduce, timed on modeled links, scored against the best
+known schedule at every size.
+
+    beat_the_ring(tensor, link) -> None
+
+`tensor` is this rank's 1-D float32 tensor; afterwards every rank holds the sum, in place (like
+torch.distributed.all_reduce). `link` is the `course_lib.Network` the time is taken on: the function may read
+``link.latency`` and ``link.bandwidth`` (and call ``link.predict``) to choose its schedule, as NCCL's tuner
+reads the topology. Any algorithm, any mix; built-in collectives and course_lib's own all-reduces are off limits.
+
+How it is timed
+---------------
+The learner's function runs on real ranks (gloo, this machine); every send, receive and wait it makes is
+recorded in program order (`tracing.Tracer.events`). The judge then *replays* that schedule on the modeled
+link, with the equations of `course_lib.network` (topology "switch"): a message of n bytes from s to d
+
+    leaves s's outgoing side when it is free:     start = max(now_s, out_free_s),  out_free_s = start + n/B
+    enters d's incoming side when that is free (earliest free n/B at or after start), arrives a later:
+                                                  arrival = in_start + n/B + a
+    a blocking send (or an isend's wait) ends at out_free_s; a receive (or an irecv's wait) at max(now_d, arrival)
+
+and compute takes no time. The time is the last rank's clock. It depends only on the schedule, so the same
+code scores the same on every run and every machine (a loaded machine slows the real run, not the replay),
+and it is the time `course_lib.launch(..., network=link)` would show without this machine's own costs
+(benchmarks/capstone_repeatability.py compares the two). Nothing the ranks report is trusted as a time: they
+report what they sent and received, and the judge times it.
+
+Where it is timed
+-----------------
+Two links (`LINKS`): latency-bound (1 GB/s, 5 ms: a cross-datacentre hop) and bandwidth-bound (100 MB/s,
+20 us: a slow shared network), G = 4 and 8 ranks, 4 KiB, 64 KiB, 1 MiB, 16 MiB and 64 MiB per rank. At each
+(link, G, size) the best known schedule is the fastest of the course's ring, tree, recursive doubling and
+halving-doubling under the same model (`Network.predict`); the learner's score there is best / yours. A size's
+rubric line is met when the score is at least 90% on both links and both G. Beside them the alpha-beta lower
+bounds no schedule passes: ceil(log2 G) latencies (each rank must hear from every other, and the number of
+ranks that can know a value at most doubles per latency), and 2 (G-1)/G N / B (every rank must send and receive
+(G-1)/G of the tensor's bytes through its one link, twice: reduce and spread).
+
+Correct results are required: on small tagged and random tensors (G = 1..8, lengths that do not divide by G)
+the whole result is compared, and on the timed tensors 2,000-odd positions (chunk boundaries included) are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from course_lib.exercises import data
+from course_lib.exercises.allreduce_variants import _result_problems
+from course_lib.exercises.cases import clone, standard_cases
+from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
+from course_lib.exercises.rubric import Family, RubricLine
+
+__all__ = ["BeatTheRing", "LINKS", "SIZES", "WORLD_SIZES", "replay", "Timing", "ReplayError", "best_known",
+           "latency_bound", "bandwidth_bound", "timed_input", "sample_positions", "REFERENCES", "THRESHOLD"]
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)      # bytes per rank
+WORLD_SIZES = (4, 8)
+REFERENCES = ("ring", "tree", "recursive_doubling", "halving_doubling")
+THRESHOLD = 0.9            # a size's line: best / yours >= 90% on both links and both G
+
+
+def _links():
+    from course_lib.network import Network
+
+    return (Network("1 GB/s", "5 ms", name="latency-bound"), Network("100 MB/s", "20 us", name="bandwidth-bound"))
+
+
+LINKS = _links()
+
+
+def size_name(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def _seconds(value: float) -> str:
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value * 1e9:.3g} ns"
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs big enough to time, made on the ranks from a formula the judge can evaluate anywhere
+# --------------------------------------------------------------------------------------------------
+
+
+PERIOD = 65521   # a prime: no chunk boundary (sizes are powers of two) is a multiple of it
+
+
+def _table(rank: int, seed: int) -> torch.Tensor:
+    """One period of rank r's values: ((k (2654435761 + 2r) + seed 9973) mod 65536) / 65536 - 1/2, k < PERIOD.
+    Multiples of 2^-16 in [-1/2, 1/2): a sum over 8 ranks is exact in float32, in any order."""
+    k = torch.arange(PERIOD, dtype=torch.int64)
+    mixed = (k * (2654435761 + 2 * rank) + seed * 9973) % 65536
+    return (mixed.to(torch.float64) / 65536 - 0.5).to(torch.float32)
+
+
+def _values(index: torch.Tensor, rank: int, seed: int) -> torch.Tensor:
+    """x_r[i] = table_r[i mod PERIOD]: different on every rank and, within a period, at every position."""
+    return _table(rank, seed)[index.to(torch.int64) % PERIOD]
+
+
+def timed_input(numel: int, rank: int, seed: int) -> torch.Tensor:
+    """Rank `rank`'s tensor for a timed case, made on the rank (64 MiB per rank would not travel as data): the
+    period repeated, a memory copy rather than arithmetic on every element."""
+    table = _table(rank, seed)
+    return table.repeat(-(-numel // PERIOD))[:numel].clone()
+
+
+def sample_positions(numel: int, world_size: int) -> torch.Tensor:
+    """The positions whose sums the judge checks on a timed case: 2,048 spread over the tensor, and the first and
+    last element of every chunk of G (where an off-by-one cut shows)."""
+    spread = torch.linspace(0, numel - 1, 2048).round().to(torch.int64)
+    sizes = data.chunk_sizes(numel, world_size)
+    starts = torch.tensor([sum(sizes[:c]) for c in range(world_size)], dtype=torch.int64)
+    edges = torch.cat([starts, starts + torch.tensor(sizes) - 1, torch.tensor([numel - 1])])
+    return torch.unique(torch.cat([spread, edges.clamp(0, numel - 1)]))
+
+
+# --------------------------------------------------------------------------------------------------
+# The replay
+# --------------------------------------------------------------------------------------------------
+
+
+class ReplayError(ValueError):
+    """A recorded schedule that cannot be timed (a receive no one sent to, a receive from any source)."""
+
+
+@dataclass
+class Timing:
+    """One replay: `seconds` the all-reduce took (the last rank's clock), `latencies` on the critical path (messages
+    one after another that led to that clock), `busiest_bytes` through the busiest rank's link (sent or received)."""
+
+    seconds: float
+    latencies: int
+    busiest_bytes: int
+    per_rank: list
+
+
+def replay(events_by_rank, link) -> Timing:
+    """Time a recorded schedule on `link` (a `course_lib.Network`; switch topology). See the module docstring."""
+    from course_lib.network import _Calendar
+
+    G = len(events_by_rank)
+    B, a = float(link.bandwidth), float(link.latency)
+    events = [list(e) for e in events_by_rank]
+    now, out_free, position, path = [0.0] * G, [0.0] * G, [0] * G, [0] * G
+    calendars = [_Calendar() for _ in range(G)]
+    sent_count, posted, messages, arrivals = {}, {}, {}, {}
+    handles = [dict() for _ in range(G)]
+    sent_bytes, received_bytes = [0] * G, [0] * G
+
+    def receive_key(rank, peer, tag):
+        if not isinstance(peer, int) or not 0 <= peer < G:
+            raise ReplayError(f"rank {rank} received from {peer!r}: the timing needs every receive to name its "
+                              "sender (dist.recv(buffer, src))")
+        return (peer, rank, tag, posted.get((rank, peer, tag), 0) + 1)
+
+    def arrival(key):
+        if key not in arrivals:
+            start, nbytes, hops = messages[key]
+            wire = nbytes / B
+            arrivals[key] = (calendars[key[1]].book(start, wire) + wire + a, hops + 1)
+            received_bytes[key[1]] += nbytes
+        return arrivals[key]
+
+    def finish_receive(rank, key):
+        when, hops = arrival(key)
+        if when > now[rank]:
+            now[rank], path[rank] = when, hops
+
+    def blocked(rank) -> bool:
+        event = events[rank][position[rank]]
+        if event[0] == "recv":
+            return receive_key(rank, event[1], event[3]) not in messages
+        if event[0] == "wait":
+            handle = handles[rank].get(event[1])
+            return handle is not None and handle[0] == "recv" and handle[1] not in messages
+        return False
+
+    while True:
+        ready = [r for r in range(G) if position[r] < len(events[r]) and not blocked(r)]
+        if not ready:
+            waiting = [r for r in range(G) if position[r] < len(events[r])]
+            if not waiting:
+                break
+            rank = waiting[0]
+            event = events[rank][position[rank]]
+            raise ReplayError(f"rank {rank} waits for a message from rank {event[1] if event[0] == 'recv' else '?'} "
+                              "that was never sent in the recorded schedule")
+        rank = min(ready, key=lambda r: (now[r], r))
+        index = position[rank]
+        event = events[rank][index]
+        position[rank] += 1
+        kind = event[0]
+        if kind in ("send", "isend"):
+            _, peer, nbytes, tag = event
+            count = sent_count[(rank, peer, tag)] = sent_count.get((rank, peer, tag), 0) + 1
+            start = max(now[rank], out_free[rank])
+            out_free[rank] = start + nbytes / B
+            messages[(rank, peer, tag, count)] = (start, nbytes, path[rank])
+            sent_bytes[rank] += nbytes
+            if kind == "send":
+                now[rank] = out_free[rank]
+            else:
+                handles[rank][index] = ("send", out_free[rank])
+        elif kind in ("recv", "irecv"):
+            _, peer, nbytes, tag = event
+            key = receive_key(rank, peer, tag)
+            posted[(rank, peer, tag)] = key[3]
+            if kind == "recv":
+                finish_receive(rank, key)
+            else:
+                handles[rank][index] = ("recv", key)
+        elif kind == "wait":
+            handle = handles[rank].pop(event[1], None)
+            if handle is not None and handle[0] == "send":
+                now[rank] = max(now[rank], handle[1])
+            elif handle is not None:
+                finish_receive(rank, handle[1])
+    for rank in range(G):              # requests never waited for still had to finish before the result was there
+        for kind, value in handles[rank].values():
+            if kind == "send":
+                now[rank] = max(now[rank], value)
+            elif value in messages:
+                finish_receive(rank, value)
+    last = max(range(G), key=lambda r: now[r]) if G else 0
+    return Timing(max(now, default=0.0), path[last] if G else 0,
+                  max(max(s, r) for s, r in zip(sent_bytes, received_bytes)) if G else 0, list(now))
+
+
+def best_known(link, nbytes: int, world_size: int) -> tuple[str, float]:
+    """(name, seconds) of the fastest of the course's schedules (`REFERENCES`) for this size on this link."""
+    times = {name: link.predict(name, nbytes, world_size) for name in REFERENCES}
+    name = min(times, key=lambda n: (times[n], REFERENCES.index(n)))
+    return name, times[name]
+
+
+def latency_bound(link, world_size: int) -> float:
+    """ceil(log2 G) a: the number of ranks that can have heard from a given rank at most doubles per latency."""
+    return math.ceil(math.log2(world_size)) * link.latency if world_size > 1 else 0.0
+
+
+def bandwidth_bound(link, nbytes: int, world_size: int) -> float:
+    """2 (G-1)/G N / B: every rank sends (and receives) at least that many bytes through its one link."""
+    return 2 * (world_size - 1) / world_size * nbytes / link.bandwidth
+
+
+# --------------------------------------------------------------------------------------------------
+# The exercise
+# --------------------------------------------------------------------------------------------------
+
+
+def _size_line_key(nbytes: int) -> str:
+    return "t_" + size_name(nbytes).replace(" ", "").lower()
+
+
+def _timed_family(nbytes):
+    return Family(f"timed at {size_name(nbytes)} per rank (both links, G = 4 and 8)",
+                  lambda case, n=nbytes: case.data == "timed" and case.numel * 4 == n)
+
+
+class BeatTheRing(FunctionExercise):
+    observed = ("after", "samples", "events")
+
+    def cases(self, hidden=False):
+        small = [Case(c.world_size, c.numel, c.data, c.seed, link, c.hidden)
+                 for c in standard_cases(hidden) for link in range(len(LINKS))]
+        # The learner's check times G = 4 (the table, in about ten seconds); the grader adds G = 8.
+        timed = [Case(G, nbytes // 4, "timed", 0, link, hidden=G != WORLD_SIZES[0]) for G in WORLD_SIZES
+                 for nbytes in SIZES for link in range(len(LINKS)) if hidden or G == WORLD_SIZES[0]]
+        return sorted(small + timed, key=lambda c: (c.world_size, c.data == "timed", c.numel))
+
+    def inputs(self, case):
+        if case.data == "timed":
+            return [{"numel": case.numel, "seed": case.seed}] * case.world_size
+        return [data.make_input(case, rank) for rank in range(case.world_size)]
+
+    def oracle(self, case, inputs):
+        if case.data != "timed":
+            return [{**facts, "link": case.root} for facts in data.all_reduce_oracle(inputs)]
+        positions = sample_positions(case.numel, case.world_size)
+        expected = torch.stack([_values(positions, r, case.seed).double() for r in range(case.world_size)]).sum(0)
+        return [{"positions": positions, "expected_samples": expected.float()} for _ in range(case.world_size)]
+
+    def tracer_options(self, case):
+        if case.data == "timed":        # sizes only: copies of 64 MiB messages would double every rank's memory
+            return {"keep_data": False, "landing": False, "largest_message": 0}
+        return {}
+
+    def run_case(self, call, case, rank, world_size, inputs):
+        link = LINKS[case.root]
+        if case.data != "timed":
+            tensor = inputs.clone()
+            call(tensor, link)
+            return {"after": clone(tensor), "events": list(call.tracer.events)}
+        tensor = timed_input(inputs["numel"], rank, inputs["seed"])
+        call(tensor, link)
+        samples = tensor.reshape(-1)[sample_positions(case.numel, world_size)].clone() \
+            if tensor.numel() == case.numel else tensor.reshape(-1)[:0].clone()
+        return {"samples": samples, "events": list(call.tracer.events)}
+
+    def judge(self, case, records, complete=True):
+        if not complete:
+            return []
+        if case.data != "timed":
+            return _result_problems(case, records, "your all-reduce")
+        problems = self._sample_problems(case, records)
+        G, N = case.world_size, case.numel
+        for rank, record in enumerate(records):
+            received = sum(e[2] for e in record["events"] if isinstance(e, tuple) and e[0] in ("recv", "irecv"))
+            if G > 1 and received < 4 * N:
+                return problems + [Problem(
+                    f"rank {rank} received {received:,} bytes; every rank must receive at least N = {4 * N:,} bytes "
+                    "(the sum at each of its positions needs the other ranks' values, and they arrive only by "
+                    "messages): its result did not come through the messages the check traces.", order=(-1, rank))]
+        link = LINKS[case.root]
+        try:
+            timing = replay([record["events"] for record in records], link)
+        except (ReplayError, TypeError, ValueError, IndexError, KeyError) as exc:
+            return problems + [Problem(f"the schedule could not be timed: {exc}", order=(-1,))]
+        best_name, best = best_known(link, 4 * N, G)
+        score = best / timing.seconds if timing.seconds > 0 else 1.0
+        records[0]["timing"] = (timing, best_name, best, score)
+        if score < THRESHOLD:
+            same = [name for name in REFERENCES if abs(link.predict(name, 4 * N, G) - timing.seconds) <= 1e-9 + 1e-6 * best]
+            problems.append(Problem(
+                f"{size_name(4 * N)} per rank on {G} ranks over the {link.name} link ({_link_text(link)}): yours took "
+                f"{_seconds(timing.seconds)}" + (f" (exactly {_names[same[0]]}'s time)" if same else "")
+                + f", {_names[best_name]} takes {_seconds(best)} there: {100 * score:.0f}% of "
+                f"the best known schedule (the line asks for {100 * THRESHOLD:.0f}%). " + _where(timing, link, 4 * N, G),
+                order=(5, G, N), line=_size_line_key(4 * N)))
+        return problems
+
+    def _sample_problems(self, case, records):
+        for rank, record in enumerate(records):
+            samples, positions, expected = record["samples"], record["positions"], record["expected_samples"]
+            if not isinstance(samples, torch.Tensor) or samples.shape != expected.shape:
+                return [Problem(f"rank {rank}'s tensor changed size: write the sum into `tensor` itself, in place.",
+                                order=(0, rank), line="values")]
+            bad = (samples != expected).nonzero()
+            if bad.numel():
+                i = int(bad[0])
+                chunk = _chunk_of(int(positions[i]), case.numel, case.world_size)
+                return [Problem(
+                    f"{size_name(4 * case.numel)} on {case.world_size} ranks: rank {rank}'s element {int(positions[i])} "
+                    f"(in chunk {chunk} of {case.world_size}) is {float(samples[i]):.6g}; the sum over every rank is "
+                    f"{float(expected[i]):.6g}.", order=(0, rank), line="values")]
+        return []
+
+    def report_lines(self, case_results):
+        """The table of where the time went: one row per timed case that ran."""
+        rows = []
+        for result in case_results:
+            if result.case.data != "timed" or not result.records or "timing" not in (result.records[0] or {}):
+                continue
+            timing, best_name, best, score = result.records[0]["timing"]
+            link, G, nbytes = LINKS[result.case.root], result.case.world_size, 4 * result.case.numel
+            rows.append(f"  {link.name:<15} {G:>2} {size_name(nbytes):>7} {_seconds(timing.seconds):>9} "
+                        f"{_names[best_name]:>18} {_seconds(best):>9} {100 * score:>5.0f}% "
+                        f"{_seconds(latency_bound(link, G)):>9} {_seconds(bandwidth_bound(link, nbytes, G)):>9} "
+                        f"{timing.latencies:>4} {timing.busiest_bytes / nbytes:>6.2f}N")
+        if not rows:
+            return []
+        return ["Where the time went (modeled links; score = best known / yours; bounds: ceil(log2 G) a and "
+                "2(G-1)/G N/B;", "  hops = latencies on your critical path, link = bytes through your busiest link):",
+                f"  {'link':<15} {'G':>2} {'size':>7} {'yours':>9} {'best known':>18} {'time':>9} {'score':>6} "
+                f"{'lat.bound':>9} {'bw.bound':>9} {'hops':>4} {'link':>7}", *rows]
+
+
+_names = {"ring": "the ring", "tree": "the tree", "recursive_doubling": "recursive doubling",
+          "halving_doubling": "halving-doubling"}
+
+
+def _link_text(link) -> str:
+    from course_lib.network import _format_bandwidth
+
+    return f"{_format_bandwidth(link.bandwidth)}, {_seconds(link.latency)}"
+
+
+def _where(timing, link, nbytes, G) -> str:
+    """Where a slow schedule's time went, in words: latencies on its critical path, bytes through its busiest link."""
+    latency_part = timing.latencies * link.latency
+    wire = timing.busiest_bytes / link.bandwidth
+    text = (f"Your critical path has {timing.latencies} latencies ({_seconds(latency_part)}; the bound is "
+            f"ceil(log2 G) = {math.ceil(math.log2(G))}), and your busiest link carries {timing.busiest_bytes / nbytes:.2f} N "
+            f"bytes ({_seconds(wire)}; the bound is 2(G-1)/G N = {2 * (G - 1) / G:.2f} N).")
+    if latency_part > wire:
+        text += " Latencies dominate here: fewer steps one after another (recursive doubling: log2 G swaps)."
+    else:
+        text += (" Bytes dominate here: send each byte fewer times (the ring and halving-doubling move 2(G-1)/G N per "
+                 "rank; a tree or recursive doubling move N per step).")
+    return text
+
+
+def _chunk_of(index, numel, G) -> int:
+    offset = 0
+    for chunk, size in enumerate(data.chunk_sizes(numel, G)):
+        if index < offset + size:
+            return chunk
+        offset += size
+    return G - 1
+
+
+_VALUES = RubricLine("values", "every rank ends with the sum over all ranks, in place: whole results on small tagged and "
+                               "random tensors (G = 1..8, lengths that do not divide by G, both links), sampled "
+                               "positions on the timed ones", 4)
+
+register(BeatTheRing(
+    name="beat_the_ring", notebook="11_beat_the_ring", points=10,
+    signature="beat_the_ring(tensor, link) -> None",
+    summary="any all-reduce (sum, in place), timed on a latency-bound and a bandwidth-bound modeled link at 4 KiB to "
+            "64 MiB, G = 4 and 8; each size scored against the fastest of ring, tree, recursive doubling and "
+            "halving-doubling there",
+    rubric=(_VALUES,) + tuple(
+        RubricLine(_size_line_key(n), f"{size_name(n)} per rank: at least {100 * THRESHOLD:.0f}% of the best known "
+                                      "schedule's speed on both links, G = 4 and 8 (correct results required)",
+                   1.2, family=_timed_family(n)) for n in SIZES),
+    root_name="link", forbidden=("collectives", "allreduce", "fast_allreduce"), time_factor=5.0))

@@ -1,0 +1,71 @@
+"""The capstone's clock: the replay of a recorded schedule on a modeled link gives the model's own time for the
+course's all-reduces, the targets of issue 18 hold on its grid, and the plain ring scores what it should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import course_lib
+from course_lib import allreduce, fast_allreduce
+from course_lib.exercises import capstone
+from course_lib.exercises.tracing import Tracer
+
+ALGORITHMS = {"ring": allreduce.ring, "halving_doubling": fast_allreduce.halving_doubling,
+              "recursive_doubling": fast_allreduce.recursive_doubling, "tree": fast_allreduce.tree}
+NUMEL = 4096
+
+
+def _record(rank, world_size, name):
+    tensor = torch.ones(NUMEL)
+    with Tracer(forbidden_modules=(), keep_data=False, landing=False) as tracer:
+        ALGORITHMS[name](tensor)
+    return list(tracer.events)
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_the_replay_of_the_course_schedules_is_the_models_time(world_size):
+    for name in ALGORITHMS:
+        events = course_lib.launch(_record, world_size, args=(name,))
+        for link in capstone.LINKS:
+            timing = capstone.replay(events, link)
+            assert timing.seconds == pytest.approx(link.predict(name, 4 * NUMEL, world_size), rel=1e-9), (name, link)
+
+
+def test_the_replay_counts_latencies_and_bytes_on_a_hand_made_schedule():
+    # rank 0 sends 1000 bytes to rank 1, which sends them on to rank 2: two latencies one after another.
+    events = [[("send", 1, 1000, 0)], [("recv", 0, 1000, 0), ("isend", 2, 1000, 0), ("wait", 1)], [("irecv", 1, 1000, 0), ("wait", 0)]]
+    link = course_lib.Network("1 MB/s", "1 ms")
+    timing = capstone.replay(events, link)
+    assert timing.seconds == pytest.approx(2 * (1e-3 + 1e-3))
+    assert timing.latencies == 2 and timing.busiest_bytes == 1000
+    with pytest.raises(capstone.ReplayError, match="never sent"):
+        capstone.replay([[("recv", 1, 8, 0)], []], link)
+
+
+def test_the_targets_hold_on_the_grid():
+    latency_bound_link, bandwidth_bound_link = capstone.LINKS
+    for G in capstone.WORLD_SIZES:
+        small, large = capstone.SIZES[0], capstone.SIZES[-1]
+        _, best_small = capstone.best_known(latency_bound_link, small, G)
+        # the plain ring scores under 60% at 4 KiB on the latency-bound link
+        assert best_small / latency_bound_link.predict("ring", small, G) < 0.6
+        # the best schedule is within 2x of the latency lower bound at 4 KiB there ...
+        assert best_small <= 2 * capstone.latency_bound(latency_bound_link, G)
+        # ... and reaches 90% of the bandwidth lower bound at 64 MiB on the bandwidth-bound link
+        _, best_large = capstone.best_known(bandwidth_bound_link, large, G)
+        assert capstone.bandwidth_bound(bandwidth_bound_link, large, G) / best_large >= 0.9
+        for link in capstone.LINKS:           # no schedule passes the bounds
+            for n in capstone.SIZES:
+                _, best = capstone.best_known(link, n, G)
+                assert best >= max(capstone.latency_bound(link, G), capstone.bandwidth_bound(link, n, G))
+
+
+def test_timed_inputs_are_the_formula_the_judge_evaluates_and_sums_are_exact():
+    x = [capstone.timed_input(200_003, r, 0) for r in range(8)]
+    positions = capstone.sample_positions(200_003, 8)
+    for r in range(8):
+        assert torch.equal(x[r][positions], capstone._values(positions, r, 0))
+    total = torch.stack(x).sum(0)
+    assert torch.equal(total, torch.stack(x).double().sum(0).float())
+    assert not torch.equal(x[0], x[1])
