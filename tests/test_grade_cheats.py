@@ -14,16 +14,19 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+from dataclasses import dataclass
 
 import nbformat
 import pytest
+import torch
 
-import time
-from dataclasses import dataclass
+import course_lib
 
 from course_lib.exercises import registry
 from course_lib.grade import judge, sandbox
@@ -344,3 +347,29 @@ def test_without_a_user_switch_the_warden_still_stops_everything_the_submission_
         except OSError:
             return b""
     assert [p for p in pathlib.Path("/proc").glob("[0-9]*/cmdline") if command_line(p).startswith(b"sleep\x00600")] == []
+
+
+def test_an_install_closed_to_other_users_is_read_through_a_mirror_of_hard_links(user, marks, tmp_path,
+                                                                                  monkeypatch):
+    """A clone in a mktemp folder (mode 700), a venv in /root: the sandbox user cannot reach the install, so the
+    kernel reads a mirror of hard links instead, and can still write none of course_lib's files."""
+    real = {pathlib.Path(course_lib.__file__).resolve().parent, pathlib.Path(torch.__file__).resolve().parent}
+    reachable = sandbox._open_to_others
+    monkeypatch.setattr(sandbox, "_open_to_others", lambda path, need: path not in real and reachable(path, need))
+    monkeypatch.setattr(sandbox, "_MIRROR", {})
+    before = _course_lib_digest()
+    mark = marks / "mirror"
+    cheat = CHEATS["edits_course_lib_on_disk"].replace(
+        "ring_scatter_reduce = ring_scatter_reduce",
+        "import torch\n        open(MARK, 'w').write(course_lib.__file__ + '\\n' + torch.__file__)\n"
+        "        ring_scatter_reduce = ring_scatter_reduce")
+    try:
+        grade = judge.grade_notebook(_notebook(tmp_path, cheat, mark), user=user)
+        mirror = sandbox._MIRROR["root"]
+        assert grade.status == "graded" and grade.score == 0, grade.notes
+        read_from = mark.read_text().splitlines()
+        assert all(pathlib.Path(p).is_relative_to(mirror) for p in read_from), (read_from, mirror)
+        assert _course_lib_digest() == before, "a submission changed course_lib's files through the mirror"
+        assert mirror.stat().st_uid == 0 and mirror.stat().st_mode & 0o777 == 0o755
+    finally:
+        shutil.rmtree(sandbox._MIRROR.get("root", tmp_path / "none"), ignore_errors=True)

@@ -13,7 +13,7 @@ The address is `Repository` in `[project.urls]`; change it there, run this, comm
   The address sits in one variable that the environment variable COURSE_LIB_SOURCE overrides
   (the Colab test points it at a local clone; the install goes through the same line);
 * README.md: whatever lies between `<!-- stamp:NAME -->` and `<!-- /stamp:NAME -->` (NAME is
-  "badges" or "install").
+  "badges", "install" or "clone").
 
 Which git ref: when `version` in `[project]` is a release (0.2.0, 0.2.0.post1) the notebooks install
 and open the release tag `v{version}`; while it is a development version (0.2.0.dev0) they follow
@@ -122,6 +122,12 @@ def install_line(project: Project) -> str:
     return f'pip install "course_lib @ {project.pip_url}"'
 
 
+def clone_line(project: Project) -> str:
+    """How an instructor gets the repository (the grader, the student copies), at the ref notebooks install."""
+    branch = f" --branch {project.ref}" if project.is_release else ""
+    return f"git clone{branch} {project.address} && cd {project.address.rsplit('/', 1)[-1]}"
+
+
 def setup_cell_source(project: Project) -> str:
     return (
         "# Setup: makes `import course_lib` work, from the clone this notebook sits in or else\n"
@@ -192,7 +198,8 @@ def stamp_notebook(text: str, project: Project, relpath: str) -> str:
 
 def stamp_markdown(text: str, project: Project) -> str:
     """Replace what lies between `<!-- stamp:NAME -->` and `<!-- /stamp:NAME -->` markers."""
-    parts = {"badges": f"\n{badges_markdown(project, None)}\n", "install": f"\n```bash\n{install_line(project)}\n```\n"}
+    parts = {"badges": f"\n{badges_markdown(project, None)}\n", "install": f"\n```bash\n{install_line(project)}\n```\n",
+             "clone": f"\n```bash\n{clone_line(project)}\n```\n"}
 
     def replace(match):
         name = match.group(1)
