@@ -228,10 +228,9 @@ def get(name: str) -> Exercise:
 
 
 # Notebooks whose exercises are written and checkable (`get`, `exercises.check`, the rubric file) but whose
-# exercise and check cells are not placed in the notebook yet (notebooks 10 and 11 are being rewritten; the cells
-# to insert are written down in the notes). Grading, the student copies and the README's assignment table
-# leave their exercises out until the notebook is taken off this list.
-PENDING_NOTEBOOKS = frozenset({"10_measure_it", "11_beat_the_ring"})
+# exercise and check cells are not placed in the notebook yet. Grading, the student copies and the README's
+# assignment table leave their exercises out until the notebook is taken off this list.
+PENDING_NOTEBOOKS = frozenset({"11_beat_the_ring"})
 
 
 def all_exercises(include_pending: bool = False) -> list[Exercise]:
