@@ -368,3 +368,32 @@ def test_bucket_plan_walks_backwards_and_never_splits_a_parameter():
     assert len(training.plan_buckets(params, math.inf)) == 1
     with pytest.raises(ValueError, match="bucket size must be a positive number of bytes"):
         training.plan_buckets(params, 0)
+
+
+def test_compute_delays_take_their_time_and_change_no_number():
+    # training.ComputeDelay stands in for an accelerator's compute: its sleep must be where backward
+    # makes a layer's gradient (before it), and the model's values and gradients must stay the same.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    delayed = training.with_compute_delays(plain, forward_s=0.002, backward_s=0.03)
+    assert [type(m).__name__ for m in delayed] == ["Linear", "ComputeDelay", "ReLU", "Linear", "ComputeDelay"]
+    assert list(delayed.parameters()) == list(plain.parameters())      # the same tensors, not copies
+    x = torch.randn(4, 6)
+    expected = [g.clone() for g in torch.autograd.grad(plain(x).square().sum(), list(plain.parameters()))]
+    ready = {}
+    for index, p in enumerate(delayed.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p, index=index: ready.update({index: time.perf_counter()}))
+    start = time.perf_counter()
+    out = delayed(x)
+    assert time.perf_counter() - start >= 2 * 0.002
+    assert torch.equal(out, plain(x))
+    begin = time.perf_counter()
+    out.square().sum().backward()
+    assert time.perf_counter() - begin >= 2 * 0.03
+    assert all(torch.equal(p.grad, g) for p, g in zip(delayed.parameters(), expected))
+    # The last layer's gradients (indices 2, 3) are ready after one delay, the first layer's after two.
+    assert min(ready[2], ready[3]) - begin >= 0.03 and min(ready[0], ready[1]) - begin >= 0.06
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        training.ComputeDelay(-1, 0)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        training.with_compute_delays(nn.Linear(2, 2), 0, 0)

@@ -6,6 +6,8 @@
     buckets           gradient buckets all-reduced during backward (overlap=True), and their timeline
     zero              ShardedOptimizer: ZeRO-1, each rank keeps 1/G of the optimizer state
     zero_sharded      ShardedDataParallel: plain DP and ZeRO-1, -2, -3 (FSDP-style) layer by layer
+    modeled_compute   ComputeDelay: a layer whose forward and backward take a fixed time (an accelerator's
+                      compute, the CPU free meanwhile), to pair with a modeled network
     memory            MemoryCensus: parameter, gradient and optimizer bytes per rank, measured; the
                       Playbook's formulas (model_state_bytes) and the schedule's exact count
     compression       DDP communication hooks that send fewer bytes: bf16/fp16 summed in fp32,
@@ -29,6 +31,7 @@ from course_lib.training import (
     ddp,
     memory,
     model_parallel,
+    modeled_compute,
     parameter_server,
     schedules,
     sharding,
@@ -57,11 +60,12 @@ from course_lib.training.toy import make_mlp, make_regression, make_spirals, pro
 from course_lib.training.zero import ShardedOptimizer, optimizer_state_bytes
 from course_lib.training.zero_sharded import ShardedDataParallel
 from course_lib.training.memory import MemoryCensus, model_state_bytes, schedule_bytes
+from course_lib.training.modeled_compute import ComputeDelay, with_compute_delays
 
 __all__ = [
     "sharding", "data_parallel", "buckets", "zero", "zero_sharded", "memory", "compression", "schedules", "ddp",
     "parameter_server",
-    "model_parallel", "toy",
+    "model_parallel", "toy", "modeled_compute", "ComputeDelay", "with_compute_delays",
     "TrainingLog", "flat_parameters", "broadcast_parameters", "broadcast_buffers", "batch_norm_note",
     "average_gradients", "apply_reduced_gradient", "HookBucket",
     "train_data_parallel", "train_single_process",
