@@ -2,7 +2,7 @@
 
     python benchmarks/overlap_figures.py [--world-size 2] [--reps 11] [--steps 8] [--width 1024]
                                          [--depth 4] [--batch 128] [--bucket-mb 4] [--allreduce ring]
-                                         [--network "100 MB/s, 1 ms"]
+                                         [--network "100 MB/s, 1 ms"] [--compute-ms 2,25]
 
 The model is a stack of wide Linear layers (width x width weights) trained on random data with a
 small per-rank batch: its gradient is large for the compute it takes, so the all-reduce is a large
@@ -26,7 +26,12 @@ machine's, communication the link's, which is what overlap needs to be seen on a
 share two cores. The report then also gives max(compute, communication), the least a step can take
 when the two overlap perfectly (compute = the one-all-reduce step minus its all-reduce).
 
-Writes benchmarks/results/overlap_figures_<G>ranks[_network].json (every number, the machine, the load average
+With --compute-ms F,B every layer with parameters is followed by a training.ComputeDelay: its forward
+takes F ms and its backward B ms, sleeping (an accelerator's compute, the CPU free meanwhile). With
+--network too, both compute and communication are modeled and the step shows the schedule, not this
+machine's two cores: what overlap buys where compute and communication use different hardware.
+
+Writes benchmarks/results/overlap_figures_<G>ranks[_network][_compute].json (every number, the machine, the load average
 before and after) and overlap_figures_<G>ranks.md (a short table). Not a test: the figures depend on the machine and
 on what else runs on it.
 """
@@ -56,13 +61,14 @@ VARIANTS = {
 }
 
 
-def make_model(width: int, depth: int, classes: int = 10, seed: int = 0) -> nn.Sequential:
-    """`depth` Linear(width, width) + ReLU layers and a Linear(width, classes) head."""
+def make_model(width: int, depth: int, classes: int = 10, seed: int = 0, input_width: int | None = None) -> nn.Sequential:
+    """`depth` Linear + ReLU layers (the first from `input_width` features, default `width`, the rest
+    width x width) and a Linear(width, classes) head."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         layers: list[nn.Module] = []
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.ReLU()]
+        for index in range(depth):
+            layers += [nn.Linear(input_width or width if index == 0 else width, width), nn.ReLU()]
         layers.append(nn.Linear(width, classes))
         return nn.Sequential(*layers)
 
@@ -82,15 +88,23 @@ def _summary(timelines) -> dict:
             "optimizer": mean([t.optimizer for t in kept])}
 
 
+def build_model(options) -> nn.Sequential:
+    model = make_model(options["width"], options["depth"], input_width=options.get("input_width"))
+    if options.get("compute_ms"):
+        forward_ms, backward_ms = options["compute_ms"]
+        model = training.with_compute_delays(model, forward_ms / 1e3, backward_ms / 1e3)
+    return model
+
+
 def measure(rank, world_size, options):
     """In each rank: every repetition trains each variant for options['steps'] steps from the same start."""
-    data = make_data(options["samples"], options["width"])
+    data = make_data(options["samples"], options.get("input_width") or options["width"])
     runs = {name: [] for name in VARIANTS}
     example = None
     with course_lib.unchecked():
         for rep in range(options["reps"] + 1):            # repetition 0 warms up and is dropped
             for name, extra in VARIANTS.items():
-                model = make_model(options["width"], options["depth"])
+                model = build_model(options)
                 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
                 buckets = {} if not extra else {"bucket_mb": options["bucket_mb"], **extra}
                 log = training.train_data_parallel(model, optimizer, data, F.cross_entropy,
@@ -137,7 +151,8 @@ def analyse(per_rank: list, options: dict) -> dict:
 
 def write(result: dict) -> tuple[pathlib.Path, pathlib.Path]:
     RESULTS.mkdir(exist_ok=True)
-    stem = f"overlap_figures_{result['options']['world_size']}ranks" + ("_network" if result["options"].get("network") else "")
+    stem = (f"overlap_figures_{result['options']['world_size']}ranks" + ("_network" if result["options"].get("network") else "")
+            + ("_compute" if result["options"].get("compute_ms") else ""))
     json_path, md_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     md_path.write_text(markdown(result))
@@ -151,11 +166,14 @@ def markdown(result: dict) -> str:
         "# Overlapping the gradient all-reduce with backward: measured",
         "",
         f"`python benchmarks/overlap_figures.py` — {o['world_size']} ranks (gloo), model {o['depth']} x "
-        f"Linear({o['width']}, {o['width']}) + head = {result['parameters']:,} parameters "
+        f"Linear({o['width']}, {o['width']})" + (f" (the first from {o['input_width']} inputs)" if o.get("input_width") else "")
+        + f" + head = {result['parameters']:,} parameters "
         f"({result['gradient_mib']:.1f} MiB of gradient), batch {o['batch']} per rank, buckets of {o['bucket_mb']} MiB "
         f"({result['buckets']} buckets), all-reduce `{o['allreduce']}`; {o['reps']} interleaved repetitions of "
         f"{o['steps']} steps each; slowest rank per repetition."
-        + (f" Modeled network: {o['network']} (every message takes that link's time)." if o.get("network") else ""),
+        + (f" Modeled network: {o['network']} (every message takes that link's time)." if o.get("network") else "")
+        + (f" Modeled compute: every layer with parameters takes {o['compute_ms'][0]:g} ms forward and "
+           f"{o['compute_ms'][1]:g} ms backward (training.ComputeDelay, sleeping)." if o.get("compute_ms") else ""),
         "",
         f"Machine: {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, {m['date']}. "
         f"Load average (1, 5, 15 min) before: {result['load_before']}, after: {result['load_after']}"
@@ -193,10 +211,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--input-width", type=int, default=None,
+                        help="features of the input (the first layer's in-width; default --width): a small first "
+                             "layer makes the last bucket, the one backward finishes with, small")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     parser.add_argument("--allreduce", default="ring")
     parser.add_argument("--network", default=None, help="a modeled link, e.g. '100 MB/s, 1 ms' (course_lib.network)")
+    parser.add_argument("--compute-ms", default=None,
+                        help="modeled compute 'F,B': each layer with parameters takes F ms forward, B ms backward")
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -204,8 +227,12 @@ def main(argv=None) -> dict:
         parser.error("--reps must be at least 9: a median of fewer runs on a shared machine means little")
     options = {"world_size": args.world_size, "reps": args.reps, "steps": args.steps, "width": args.width,
                "depth": args.depth, "batch": args.batch, "bucket_mb": args.bucket_mb, "allreduce": args.allreduce,
-               "samples": args.world_size * args.batch * (args.steps + 1), "note": args.note, "network": args.network}
-    model = make_model(args.width, args.depth)
+               "samples": args.world_size * args.batch * (args.steps + 1), "note": args.note, "network": args.network,
+               "compute_ms": [float(x) for x in args.compute_ms.split(",")] if args.compute_ms else None,
+               "input_width": args.input_width}
+    if options["compute_ms"] is not None and len(options["compute_ms"]) != 2:
+        parser.error("--compute-ms takes two numbers, forward and backward milliseconds per layer: e.g. 2,25")
+    model = build_model(options)
     params = list(model.parameters())
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.perf_counter()
