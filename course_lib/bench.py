@@ -135,7 +135,10 @@ def format_bytes(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             value = nbytes / scale
-            return f"{value:g} {unit}" if value == int(value) else f"{value:.3g} {unit}"
+            if value == int(value):
+                return f"{value:g} {unit}"
+            # 3 significant digits, but never an exponent: 1000-1023 KiB prints as '1000 KiB', not '1e+03 KiB'
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
     return f"{nbytes:.4g} B"  # below 1 KiB: whole numbers print as they are, a fraction to 4 digits
 
 

@@ -34,6 +34,8 @@ def test_sizes_are_read_and_written_in_binary_units():
             bench.parse_bytes(bad)
     assert [bench.format_bytes(n) for n in (512, 4096, 3 * 2**19, 64 * 2**20, 2**30)] == \
         ["512 B", "4 KiB", "1.5 MiB", "64 MiB", "1 GiB"]
+    # three significant digits without an exponent, also between 1000 and 1023 of a unit (a crossover printed as '1e+03 KiB')
+    assert [bench.format_bytes(n) for n in (5000, 1000 * 1024 + 300, 1023 * 1024 + 5)] == ["4.88 KiB", "1000 KiB", "1023 KiB"]
 
 
 def test_result_statistics_and_bandwidths():
