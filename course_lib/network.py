@@ -37,7 +37,7 @@ messages are modeled. What the model predicts for the course's all-reduces (`Net
 
     algorithm           switch                                   full
     ring                2(G-1) (a + c/B)                         the same (one neighbour each way)
-    ring_bidirectional  2(G-1) (a + c/B)                         2(G-1) (a + c/(2B))
+    ring_bidirectional  2(G-1) (a + c/B)                         2(G-1) (a + c/(2B))  (G > 2)
     ring_pipelined      (R-1) max(k u, u + a) + k u + a          the same
     naive               a + (G-1) N/B                            a + N/B
     parameter_server    2a + 2(G-1) N/B                          2a + 2N/B
@@ -268,7 +268,10 @@ class Network:
             return 2 * (g - 1) * (a + chunk / b)
         if algorithm == "ring_bidirectional":
             half = -(-(-(-numel // g)) // 2) * element_size  # the larger half of the largest chunk
-            return 2 * (g - 1) * (a + (half if full else 2 * half) / b)
+            # On a full mesh the halves going left and right take two links, at once; with 2 ranks the left and
+            # right neighbour are one rank, and both halves queue on the one link to it, as on a switch.
+            two_links = full and g > 2
+            return 2 * (g - 1) * (a + (half if two_links else 2 * half) / b)
         if algorithm == "ring_pipelined":
             from course_lib.fast_allreduce import SEGMENT_BYTES, segments_per_chunk
 

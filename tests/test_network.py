@@ -394,6 +394,16 @@ def test_a_full_mesh_halves_the_bidirectional_ring_and_frees_the_naive_exchange(
     assert full.predict("naive", STEP_BYTES, 4) == pytest.approx(full.message_time(STEP_BYTES))
 
 
+def test_on_two_ranks_the_bidirectional_ring_has_one_link_whatever_the_topology():
+    # With G = 2 a rank's left and right neighbour are one rank: both halves of a chunk queue on the one
+    # link to it, so a full mesh gains nothing (the prediction once said half; notebook 11 measured 2x that).
+    full = Network("10 MB/s", "200 us", "full")
+    n = 4 * STEP_BYTES
+    assert full.predict("ring_bidirectional", n, 2) == pytest.approx(full.predict("ring", n, 2))
+    ratios = _measured_over_predicted(full, 2, [("ring_bidirectional", n)])
+    assert all(0.9 <= r <= 1.35 for r in ratios.values()), ratios
+
+
 def test_the_late_line_is_printed_once_and_report_late_false_keeps_it_back(capsys):
     import importlib
     launch_module = importlib.import_module("course_lib.launch")
