@@ -2,6 +2,8 @@
 
     python benchmarks/grade_timings.py submission --reps 9 --quiet-load 1.5     # one student, 9 repetitions
     python benchmarks/grade_timings.py class --reps 3 --quiet-load 1.5          # 20 students, 3 repetitions
+    python benchmarks/grade_timings.py submission --all --reps 9 --out benchmarks/results/grade_timings_all
+                                     # every graded notebook, 00 to 11, instead of the 8 of 00-07
 
 **submission**: the 8 notebooks of one submission (00 to 07) graded by one command, as Gradescope's
 run_autograder grades them: `python -m course_lib.grade 00_....ipynb ... 07_....ipynb --json results.json`,
@@ -45,9 +47,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 STUDENTS = int(os.environ.get("GRADE_TIMINGS_STUDENTS", 20))     # fewer only to try the script out
 
 
+PATTERN = "0[0-7]_*.ipynb"     # the 8 notebooks of 00-07; --all: every notebook that has a student copy
+
+
 def notebooks(folder: str) -> list[pathlib.Path]:
-    """The 8 graded notebooks, 00 to 07, of notebooks/ (solutions) or assignments/ (student copies)."""
-    return sorted((ROOT / folder).glob("0[0-7]_*.ipynb"))
+    """The graded notebooks (00 to 07, or with --all every one in assignments/) of notebooks/ (solutions) or
+    assignments/ (student copies)."""
+    names = sorted(p.name for p in (ROOT / "assignments").glob(PATTERN))
+    return [ROOT / folder / name for name in names]
 
 
 def points(path: pathlib.Path) -> float:
@@ -135,13 +142,15 @@ def who(data: dict) -> str:
 
 
 def submission_markdown(data: dict) -> str:
+    names = data.get("notebooks") or [f"0{k}" for k in range(8)]
+    count, span = len(names), f"{names[0][:2]}-{names[-1][:2]}"
     reps, machine = data["reps"], data["machine"]
     lines = [
-        "# How long grading one student's 8 notebooks takes: `python -m course_lib.grade`, one command",
+        f"# How long grading one student's {count} notebooks takes: `python -m course_lib.grade`, one command",
         "",
-        f"`python benchmarks/grade_timings.py submission --reps {reps}"
+        f"`python benchmarks/grade_timings.py submission{' --all' if data.get('all') else ''} --reps {reps}"
         + (f" --quiet-load {data['quiet']['limit']:g}`" if data["quiet"]["limit"] else "`")
-        + f": the 8 notebooks 00-07 of one submission in one command (`--json results.json`, up to one notebook per "
+        + f": the {count} notebooks {span} of one submission in one command (`--json results.json`, up to one notebook per "
         f"core at a time), the complete correct submission (notebooks/) and the empty one (assignments/), "
         f"{reps} interleaved repetitions each; wall time of the whole command, a fresh Python each time.",
         "",
@@ -172,17 +181,18 @@ def submission_markdown(data: dict) -> str:
         lines.append(f"| {row['notebook']} | {row['seconds']:.1f} | {row['sandbox start']:.1f} | {row['cells']:.1f} | "
                      f"{row['checks']:.1f} | {row['stop']:.2f} | {row['slowest check']} |")
     total = {k: sum(r[k] for r in rows) for k in ("seconds", "sandbox start", "cells", "checks", "stop")}
-    lines.append(f"| all 8 | {total['seconds']:.1f} | {total['sandbox start']:.1f} | {total['cells']:.1f} | "
+    lines.append(f"| all {count} | {total['seconds']:.1f} | {total['sandbox start']:.1f} | {total['cells']:.1f} | "
                  f"{total['checks']:.1f} | {total['stop']:.2f} | |")
     jobs = machine["cpus_usable"]
-    lines += ["", f"Of the notebooks' {total['seconds']:.0f} s, starting the 8 sandboxes (a Python that imports torch, "
+    lines += ["", f"Of the notebooks' {total['seconds']:.0f} s, starting the {count} sandboxes (a Python that imports torch, "
                   f"IPython and the exercises) takes {total['sandbox start'] / total['seconds']:.0%}, running the cells "
                   f"the answers need {total['cells'] / total['seconds']:.0%}, the checks with the hidden cases "
                   f"{total['checks'] / total['seconds']:.0%}. On {jobs} cores those {total['seconds']:.0f} s are "
                   f"{total['seconds'] / jobs:.0f} s of wall time; the rest of the command's {correct['median']:.0f} s "
                   "is starting the grader, importing what the judge needs before any submission runs, and the end of "
                   "the run, when fewer notebooks than cores are left.", ""]
-    lines += ["Every run scored right (72/72 complete, 0/72 empty) and exited 0." if not data["wrong"] else
+    possible = f"{correct['max_score']:g}"
+    lines += [f"Every run scored right ({possible}/{possible} complete, 0/{possible} empty) and exited 0." if not data["wrong"] else
               "Runs that did NOT score right:\n\n" + "\n".join(f"- {w}" for w in data["wrong"])]
     return "\n".join(lines) + "\n"
 
@@ -210,7 +220,8 @@ def submission(args) -> int:
         where[kind] = where_the_time_goes(good) if good else []
     data = {"machine": machine, "reps": args.reps, "note": args.note, "quiet": quiet, "root": os.geteuid() == 0,
             "load_before": summary(r["load_before"] for r in runs), "load_after": load1(),
-            "totals": totals, "where": where, "wrong": wrong, "runs": runs}
+            "totals": totals, "where": where, "wrong": wrong, "runs": runs, "all": args.all,
+            "notebooks": [p.name for p in notebooks("notebooks")]}
     out = pathlib.Path(args.out or RESULTS / "grade_timings")
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     text = submission_markdown(data)
@@ -335,7 +346,11 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="class: notebooks at once (the grader's default)")
     parser.add_argument("--note", default="", help="a line on the conditions, written with the results")
     parser.add_argument("--out", default=None, help="path without suffix")
+    parser.add_argument("--all", action="store_true", help="every graded notebook (00 to 11), not only 00-07")
     args = parser.parse_args(argv)
+    global PATTERN
+    if args.all:
+        PATTERN = "[0-9][0-9]_*.ipynb"
     if args.what == "submission":
         args.reps = args.reps or 9
         return submission(args)

@@ -300,14 +300,17 @@ def test_async_collectives_are_modeled_and_a_builtin_says_it_is_not(capfd):
 
 
 def test_a_link_faster_than_this_machine_is_reported_not_silently_timed(capfd):
-    def many_small(rank, world_size):
-        tensor = torch.zeros(1)
+    # 1 MiB chunks: 2.3 us on the modeled NVLink, a few hundred us through this machine's loopback at the least,
+    # so most messages arrive later than the model allows whatever the load (1-element messages were late only
+    # 20% of the time on a quiet machine: the line's threshold is a tenth)
+    def many_chunks(rank, world_size):
+        tensor = torch.zeros(1 << 20)
         for _ in range(30):
             allreduce.ring(tensor)
 
-    course_lib.launch(many_small, 4, network="nvlink4")
+    course_lib.launch(many_chunks, 4, network="nvlink4")
     stats = network.last_launch()
-    assert stats.messages == 30 * 2 * 3 * 4 and stats.late_share > 0.2, stats
+    assert stats.messages == 30 * 2 * 3 * 4 and stats.late_share > 0.5, stats
     captured = capfd.readouterr()
     assert "took longer on this machine than on the modeled link (nvlink4" in captured.err, captured.err
 
