@@ -13,14 +13,14 @@ import pathlib
 import pytest
 
 import planted_bugs as pb
+from rubric_checks import assert_named as _assert_named, check as _check, missed as _missed
 from course_lib import exercises
-from course_lib.exercises import registry, rubric, runner
+from course_lib.exercises import registry, rubric
 from course_lib.exercises.questions import Slip
 from course_lib.exercises.report import Result
 from course_lib.viz import traffic_plots
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SIZES = (1, 3, 4)
 
 # Two one-token slips (or more) per function exercise: the planted bug, and the lines it must miss.
 SLIPS = {
@@ -39,26 +39,6 @@ SLIPS = {
                           (pb.avg_divides_by_rank_count_minus_one, {"mean", "training"})],
 }
 CORRECT = {entry.exercise: entry.fn for entry in reversed(pb.CORRECT)}   # the first style of each
-
-
-def _check(name, fn) -> Result:
-    exercise = registry.get(name)
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in SIZES]
-    outcome = runner.run_function(exercise, fn, cases=cases)
-    if outcome.not_done is not None:
-        return Result.not_done(exercise, outcome.not_done)
-    return Result.of_cases(exercise, outcome.cases, hidden=True)
-
-
-def _missed(result) -> set:
-    return {line.key for line in result.lines if line.tested and not line.met}
-
-
-def _assert_named(result, missed) -> None:
-    text = repr(result)
-    for key in missed:
-        line = next(l for l in registry.get(result.name).rubric if l.key == key)
-        assert f"MISSED" in text and f"{key}: {line.text}" in text, text
 
 
 def test_every_exercise_of_notebooks_00_to_07_is_covered():

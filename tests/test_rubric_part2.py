@@ -22,11 +22,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import planted_bugs_part2 as pb  # noqa: E402
+from rubric_checks import assert_named as _assert_named, check as _check, missed as _missed  # noqa: E402
 from course_lib import exercises, p2p  # noqa: E402
-from course_lib.exercises import registry, runner  # noqa: E402
-from course_lib.exercises.report import Result  # noqa: E402
+from course_lib.exercises import registry  # noqa: E402
 
-SIZES = (1, 3, 4)
 PART_TWO = ("08", "09", "10", "11")
 
 
@@ -99,26 +98,6 @@ SLIPS = {
                       (pb.beat_blocking_doubling, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"})],     # 5.2/10
 }
 CORRECT = {entry.exercise: entry.fn for entry in reversed(pb.CORRECT)}   # the first style of each
-
-
-def _check(name, fn) -> Result:
-    exercise = registry.get(name)
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in SIZES]
-    outcome = runner.run_function(exercise, fn, cases=cases)
-    if outcome.not_done is not None:
-        return Result.not_done(exercise, outcome.not_done)
-    return Result.of_cases(exercise, outcome.cases, hidden=True)
-
-
-def _missed(result) -> set:
-    return {line.key for line in result.lines if line.tested and not line.met}
-
-
-def _assert_named(result, missed) -> None:
-    text = repr(result)
-    for key in missed:
-        line = next(l for l in registry.get(result.name).rubric if l.key == key)
-        assert "MISSED" in text and f"{key}: {line.text}" in text, text
 
 
 def _blank(*args, **kwargs):
