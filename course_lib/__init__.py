@@ -7,13 +7,15 @@
                                 all_reduce, reduce_scatter from p2p messages
     allreduce                   naive, parameter_server, ring (+ its two phases)
     progress(iterable)          a live progress line for a long loop in a notebook (or in a rank)
-    Network(bandwidth, latency) a modeled link under every message: launch(fn, G, network=...)
+    Network(bandwidth, latency) a modeled network under every message: launch(fn, G, network=...)
+    clock(), compute(seconds)   a rank's clock (modeled time under a modeled network) and modeled compute
 """
 
 from course_lib import allreduce, collectives, network, ops, p2p, traffic
 from course_lib._checks import MismatchError, unchecked
 from course_lib.live import progress
-from course_lib.network import Network
+from course_lib.modeled_clock import clock, compute
+from course_lib.network import Cluster, Network
 from course_lib.launch import (
     LaunchError,
     LaunchTimeoutError,
@@ -30,5 +32,6 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "launch", "device", "run_torchrun", "under_torchrun", "resolve_backend",
     "LaunchError", "RankFailedError", "LaunchTimeoutError", "MismatchError", "unchecked",
-    "p2p", "traffic", "collectives", "allreduce", "ops", "progress", "Network", "network",
+    "p2p", "traffic", "collectives", "allreduce", "ops", "progress", "Network", "Cluster", "network", "clock",
+    "compute",
 ]

@@ -19,6 +19,9 @@ raised comes out of `wait()`. How course_lib keeps that safe:
   each other's messages.
 * **Checked like the caller asked.** A job runs with the argument check on or off as it was when it
   was queued (`course_lib.unchecked()` is per thread), and without autograd, like torch's.
+* **On a modeled clock** (`launch(..., network=)`) the worker has a clock of its own: a job starts no
+  earlier than the caller's clock when it was queued, and `wait()` moves the caller's clock to the
+  job's end (`course_lib.clock`: `now`, `catch_up`; a thread that waits says so with `idle`/`wake`).
 
 The rank's traffic labels, its recordings and its launcher status line stay process-wide (see
 docs/architecture.md, "Asynchronous collectives"): `traffic.record()` waits for queued work when it
@@ -39,6 +42,8 @@ import threading
 
 import torch
 
+from course_lib import modeled_clock as _clock
+
 __all__ = ["Work", "submit", "drain", "finish", "pending"]
 
 
@@ -56,7 +61,9 @@ class Work:
         self._exception: BaseException | None = None
         self._observed = False                # has anyone been shown the exception?
         self._future = None
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
+        self._end = 0.0                       # the worker's clock when it finished (a modeled clock's time)
+        self._waiters: set = set()            # threads waiting in wait(): woken on the modeled clock when done
 
     def __repr__(self) -> str:
         state = ("running" if not self._done.is_set()
@@ -80,7 +87,7 @@ class Work:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if threading.current_thread() is _worker:
             raise RuntimeError(f"wait() on an async {self.call} from inside another async collective would wait forever")
-        if not self._done.wait(None if not seconds else seconds):
+        if not self._wait_done(seconds):
             raise TimeoutError(f"async {self.call} did not finish within {seconds:g} s (it is still running; "
                                "wait() again to keep waiting)")
         if self._exception is not None:
@@ -88,9 +95,27 @@ class Work:
             raise self._exception
         return True
 
+    def _wait_done(self, seconds=None) -> bool:
+        """Wait until the job is done; on a modeled clock this thread's clock then reads at least its end."""
+        if not _clock.active():
+            return self._done.wait(None if not seconds else seconds)
+        me = threading.current_thread()
+        with self._lock:
+            self._waiters.add(me)
+            try:
+                _clock.idle(self._lock, self._done.is_set)
+            finally:
+                self._waiters.discard(me)
+        _clock.catch_up(self._end)
+        return True
+
     def is_completed(self) -> bool:
-        """True once the collective has finished, successfully or not. Never blocks."""
-        return self._done.is_set()
+        """True once the collective has finished, successfully or not. Never blocks. (On a modeled clock:
+        finished, and this thread's clock has reached its end; a True answer moves the clock there.)"""
+        if not self._done.is_set():
+            return False
+        _clock.catch_up(self._end)
+        return True
 
     def is_success(self) -> bool:
         """False if the collective failed. As in torch, True while it is still running."""
@@ -121,7 +146,11 @@ class Work:
     def _finish(self, exception: BaseException | None) -> None:
         with self._lock:
             self._exception = exception
+            self._end = _clock.now()
             self._done.set()
+            for waiter in self._waiters:
+                _clock.wake(waiter)
+            self._lock.notify_all()
             if self._future is not None:
                 self._complete_future()
 
@@ -158,8 +187,9 @@ def submit(call: str, job, outputs: list, checked: bool) -> Work:
             _worker = threading.Thread(target=_run_jobs, args=(torch.get_num_threads(),),
                                        name="course_lib-async", daemon=True)
             _worker.start()
-        _queue.append((work, job, checked))
+        _queue.append((work, job, checked, _clock.now()))
         _last = work
+        _clock.wake(_worker)
         _ready.notify()
     return work
 
@@ -177,9 +207,9 @@ def drain() -> None:
     ones queued before it. A no-op on the worker thread itself, which runs the queue in order anyway.
     """
     last = _last
-    if last is None or last._done.is_set() or threading.current_thread() is _worker:
+    if last is None or threading.current_thread() is _worker:
         return
-    last._done.wait()
+    last._wait_done()
 
 
 def finish() -> None:
@@ -207,9 +237,9 @@ def _run_jobs(threads: int) -> None:
     torch.set_num_threads(threads)  # the rank's intra-op thread budget (the launcher's choice)
     while True:
         with _ready:
-            while not _queue:
-                _ready.wait()
-            work, job, checked = _queue[0]
+            _clock.idle(_ready, lambda: bool(_queue))
+            work, job, checked, queued_at = _queue[0]
+        _clock.catch_up(queued_at)       # a job cannot start before it was queued
         exception = None
         try:
             with _checks.checking(checked), torch.no_grad():

@@ -17,7 +17,9 @@ How one measurement is made (inside every rank, for every size):
 
 * the input is refilled from a saved copy before each call (outside the timed region), so every
   call reduces the same numbers;
-* all ranks meet at a barrier, then each times its own call with `time.perf_counter`;
+* all ranks meet at a barrier, then each times its own call with `course_lib.clock()`: this machine's
+  `time.perf_counter`, or under a modeled network (`network=`) the rank's modeled clock, on which the same
+  call takes the same time in every repetition (a median and spread then say the model is deterministic);
 * the time of that repetition is the slowest rank's time: an all-reduce is finished when the last
   rank has its result;
 * `warmup` calls per variant are thrown away (first-touch page faults, socket buffers growing),
@@ -64,7 +66,6 @@ import shlex
 import statistics
 import sys
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -73,6 +74,7 @@ import torch.distributed as dist
 
 import course_lib
 from course_lib import _checks, allreduce
+from course_lib import modeled_clock as _clock
 from course_lib import network as network_module
 
 __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUSBW_FACTORS",
@@ -606,7 +608,8 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     source = _input(numel, torch_dtype, rank, device)
     work = torch.empty_like(source)
     expected = source.clone()
-    dist.all_reduce(expected)
+    with _clock.untimed():  # the oracle is not what is timed
+        dist.all_reduce(expected)
     correct = {variant: True for variant in variants}
     times = torch.zeros(len(variants), reps, dtype=torch.float64)
     # cpu=True: CPU seconds, idle ticks and total ticks of every kept call, one plane each.
@@ -620,11 +623,11 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             dist.barrier()
             if cpu:
                 cpu_start, ticks_start = time.process_time(), _cpu_ticks()
-            start = time.perf_counter()
+            start = _clock.clock()
             with _checks.checking(arg_checks):  # by default the algorithm only, not course_lib's argument check
                 function(work)
             _synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed = _clock.clock() - start
             if rep >= warmup:
                 times[index, rep - warmup] = elapsed
                 if cpu:
@@ -640,7 +643,8 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
     flags = torch.tensor([[float(correct[v]) for v in variants]], dtype=torch.float64)
     local = torch.cat([times, flags.T, *usage], dim=1).to(device)
     everyone = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(everyone, local)
+    with _clock.untimed():
+        dist.all_gather(everyone, local)
     stacked = torch.stack(everyone).cpu()
     slowest, all_correct = stacked[:, :, :reps].amax(dim=0), stacked[:, :, reps].amin(dim=0)
     summed = stacked[:, :, reps + 1:].sum(dim=0)  # CPU seconds, idle ticks, total ticks: every rank's together
@@ -674,10 +678,7 @@ def _measure_on_launched_rank(rank, world_size, sizes, variants, reps, warmup, d
 def _check_variants(variants, link=None) -> tuple:
     variants = tuple(variants)
     if variants == ("all",):
-        return ALL_VARIANTS if link is None else tuple(v for v in ALL_VARIANTS if v != "builtin")
-    if link is not None and "builtin" in variants:
-        raise ValueError("'builtin' (torch.distributed.all_reduce) cannot be timed on a modeled network: its messages "
-                         "do not go through point-to-point calls, so the model never sees them. Leave it out.")
+        return ALL_VARIANTS
     unknown = [v for v in variants if v != "builtin" and v not in allreduce.VARIANTS]
     if unknown or not variants:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(ALL_VARIANTS)} (or 'all')")
@@ -688,9 +689,9 @@ def _check_variants(variants, link=None) -> tuple:
 
 def _launch_timeout(nbytes, world_size, n_variants, calls, variants=(), link=None) -> float:
     # Generous: the naive exchange pushes G-1 copies per rank through a loopback shared by all ranks;
-    # at a pessimistic 20 MB/s that is the longest a healthy run may take. A modeled link adds its time.
-    modeled = sum(link.predict(v, nbytes, world_size) for v in variants) if link is not None else 0.0
-    return 60.0 + calls * (n_variants * (0.05 + world_size * world_size * nbytes / 20e6) + 2 * modeled)
+    # at a pessimistic 20 MB/s that is the longest a healthy run may take. A modeled link's time is
+    # computed, not waited for: it adds nothing.
+    return 60.0 + calls * n_variants * (0.05 + world_size * world_size * nbytes / 20e6)
 
 
 def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, reps: int = 5,
@@ -719,8 +720,8 @@ def run(sizes=("4KiB", "256KiB", "4MiB"), world_sizes=None, variants=VARIANTS, r
         cpu: also record every call's CPU time over all ranks and the machine's idle share
             (`Result.cpu_median`, `Result.idle_share`).
         network: a `course_lib.Network` (or its string form, e.g. "100 MB/s, 200 us"): every message
-            takes that link's time, and each record carries the link's prediction (`Result.predicted`).
-            'builtin' cannot be timed on it (the model sees only point-to-point messages).
+            takes that link's time on the ranks' modeled clocks, and each record carries the link's
+            prediction (`Result.predicted`); 'builtin' takes the time of NCCL's choice of schedule there.
         arg_checks: time course_lib's cross-rank argument check too, as a learner's call has it.
 
     Returns:
@@ -779,11 +780,10 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
-    table = None
+    modeled, launcher = None, importlib.import_module("course_lib.launch")  # the module: course_lib.launch is a function
     try:
         if link is not None:
-            launcher = importlib.import_module("course_lib.launch")  # the module: course_lib.launch is the function
-            table = launcher._torchrun_network(link, dist.get_rank(), world_size)
+            modeled = launcher._torchrun_network(link, dist.get_rank(), world_size)
         results, started = Results(), time.perf_counter()
         for done, nbytes in enumerate(sizes, start=1):
             records = measure_in_rank(nbytes, variants, reps, warmup, dtype, check, cpu, arg_checks)
@@ -792,11 +792,10 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
                 _report_progress(done, len(sizes), started, results[-len(variants):])
         return results
     finally:
-        if table is not None:
-            network_module.deactivate()
+        if modeled is not None:
+            _clock.deactivate()
             dist.barrier()
-            if dist.get_rank() == 0:
-                shutil.rmtree(os.path.dirname(table), ignore_errors=True)
+            launcher.end_torchrun_network(modeled)
         if owns_group:
             dist.destroy_process_group()
 
@@ -807,7 +806,7 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
 
 
 def parser_default_variants() -> str:
-    """--variants' default: the plain variants and the built-in (which a modeled network leaves out)."""
+    """--variants' default: the plain variants and the built-in."""
     return ",".join(VARIANTS)
 
 

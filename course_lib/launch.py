@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _rankstate, _work
+from course_lib import _maestro
+from course_lib import modeled_clock as _clock
 from course_lib import network as _network
 from course_lib.live import LaunchStatus
 
@@ -284,7 +286,7 @@ class _RankFiles:
 
     @property
     def network(self):
-        return os.path.join(self.workdir, "network")  # the modeled network's shared table (one per launch)
+        return os.path.join(self.workdir, "clock.sock")  # the modeled clock's coordinator listens here (one per launch)
 
     @property
     def stack(self):
@@ -372,9 +374,10 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
             timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_GRACE),
         )
         if network is not None:
-            _network.activate(network, files.network, rank, world_size)
+            _clock.activate(network, files.network, rank, world_size)
         result = fn(rank, world_size, *args, **kwargs)
         _work.finish()  # async collectives still running would race the result (and the barrier below)
+        _clock.deactivate()  # this rank's clock stops here; the barrier below is the launcher's, not fn's
         _rankstate.set_blocked(_FINISHED)
         _write_result(files, ("ok", result))
         # Nobody tears down its sockets while a neighbour may still be reading from them.
@@ -387,6 +390,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
         record = ("error", type(exc).__name__, str(exc), text, time.time())
         _write_result(files, record)
     finally:
+        _clock.deactivate()
         _rankstate.detach()
         if dist.is_initialized() and exitcode == 0:
             dist.destroy_process_group()
@@ -472,9 +476,11 @@ def launch(
         start_method: "fork" or "spawn"; None picks fork on Linux (fast, carries notebook functions)
             unless this process has touched the GPU (CUDA initialised, or autograd's GPU threads started
             by a backward()), else spawn (the function travels by cloudpickle) and says so once.
-        network: a `course_lib.Network` (or a preset's name, or "100 MB/s, 200 us"): every
-            point-to-point message of `fn` then takes the time that link would take (see
-            `course_lib.network`). None: messages take what this machine's loopback takes.
+        network: a `course_lib.Network` (or a preset's name, "100 MB/s, 200 us", or a
+            `Network.cluster(...)`): every rank then keeps a modeled clock (`course_lib.clock()`), on
+            which every message of `fn` takes the time that network would take and torch's built-in
+            collectives the time of NCCL's schedule (see `course_lib.network`). The ranks run on gloo.
+            None: no model; `course_lib.clock()` is this machine's clock.
 
     Returns:
         A list of the ranks' return values, index = rank. CUDA tensors come back as CPU tensors.
@@ -505,8 +511,11 @@ def launch(
             )
         return run_torchrun(fn, args=args, kwargs=kwargs, backend=backend, timeout=timeout)
 
-    backend = resolve_backend(backend, world_size)
     network = None if network is None else _network.Network.parse(network)
+    backend = _modeled_backend(backend) if network is not None else resolve_backend(backend, world_size)
+    if network is not None and network.world_size is not None and world_size > network.world_size:
+        raise ValueError(f"world_size={world_size} does not fit the modeled cluster of {network.world_size} ranks "
+                         f"({network.describe()}): use at most {network.world_size} ranks or a larger cluster")
     if start_method not in (None, "fork", "spawn"):
         raise ValueError(f"start_method must be None, 'fork' or 'spawn', not {start_method!r}")
     method = start_method or _start_method()
@@ -514,11 +523,12 @@ def launch(
     threads = _intra_op_threads(method, world_size)
     workdir = tempfile.mkdtemp(prefix="course_lib-launch-")
     processes = []
+    maestro = None
     try:
         for rank in range(world_size):
             _rankstate.create_slot_file(_RankFiles(workdir, rank).status)
-        if network is not None:
-            _network.create_table(_RankFiles(workdir, 0).network, world_size)
+        if network is not None:  # listening before any rank starts; its thread starts after the forks
+            maestro = _maestro.Maestro(network, world_size, _RankFiles(workdir, 0).network)
         context = __import__("multiprocessing").get_context(method)
         with warnings.catch_warnings():
             # Python 3.12+ warns when forking a multi-threaded process (a Jupyter kernel is one).
@@ -532,14 +542,18 @@ def launch(
                 )
                 process.start()
                 processes.append(process)
+        if maestro is not None:
+            maestro.start()
         # In a notebook, a launch that runs longer than a couple of seconds shows each rank's status live.
         with LaunchStatus(world_size, lambda r: _RankFiles(workdir, r).status, lambda r: _RankFiles(workdir, r).stdout):
             if method == "spawn":
                 _wait_for_spawned_ranks(processes, workdir)
             outcome = _supervise(processes, workdir, timeout)
         _relay_output(workdir, world_size, prefix_output)
-        if network is not None:
-            _report_network(_network.record_launch(network, _RankFiles(workdir, 0).network, world_size))
+        if maestro is not None:
+            _clock.record_launch(network, maestro)
+            if isinstance(outcome, LaunchTimeoutError) and maestro.describe():
+                outcome = LaunchTimeoutError(f"{outcome}\n{maestro.describe()}", blocked=outcome.blocked)
         if isinstance(outcome, LaunchError):
             raise outcome
         if all(value is None for value in outcome):
@@ -547,16 +561,19 @@ def launch(
         return outcome
     finally:
         _stop_all(processes)
+        if maestro is not None:
+            maestro.stop()
         for process in processes:
             process.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _report_network(stats) -> None:
-    """Say, once per network, when the machine could not keep up with the modeled link."""
-    text = stats.notice()
-    if text is not None and _network.reports_late():
-        _notice_once(f"network-late:{stats.network!r}", text)
+def _modeled_backend(backend: str) -> str:
+    """The modeled clock runs its ranks on gloo: the data moves on this machine's CPU, the time is the model's."""
+    if backend not in ("auto", "gloo"):
+        raise ValueError(f"backend={backend!r} with a modeled network: the modeled clock runs the ranks on gloo (the "
+                         "time is the model's, whatever carries the data). Leave backend='auto' or say 'gloo'.")
+    return "gloo"
 
 
 def _intra_op_threads(method: str, world_size: int) -> int:
@@ -909,38 +926,54 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    table = None
+    modeled = None
     try:
         if network is not None:
-            table = _torchrun_network(_network.Network.parse(network), rank, world_size)
+            modeled = _torchrun_network(_network.Network.parse(network), rank, world_size)
         result = fn(rank, world_size, *args, **kwargs)
         _work.finish()
+        if modeled is not None:
+            _clock.deactivate()
         everyone = [None] * world_size
         dist.all_gather_object(everyone, result)
         return everyone
     finally:
-        if table is not None:
-            _network.deactivate()
-            if rank == 0:
-                shutil.rmtree(os.path.dirname(table), ignore_errors=True)
+        if modeled is not None:
+            _clock.deactivate()
+            end_torchrun_network(modeled)
         if owns_group:
             dist.destroy_process_group()
 
 
-def _torchrun_network(network, rank: int, world_size: int) -> str:
-    """Rank 0 makes the network's shared table and tells the others where it is; all start modeling."""
+def _torchrun_network(network, rank: int, world_size: int):
+    """Rank 0 runs the modeled clock's coordinator and tells the others where it listens; all join it.
+    Returns what `end_torchrun_network` needs (rank 0: the coordinator and its folder)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if local != world_size:
         raise ValueError(
-            f"a modeled network needs every rank on one machine (they share its clock), but torchrun runs "
-            f"{local} of the {world_size} ranks here. Use --nnodes 1, or run without network=.")
+            f"a modeled network needs every rank on one machine (they talk to one coordinator through a Unix "
+            f"socket), but torchrun runs {local} of the {world_size} ranks here. Use --nnodes 1, or run without "
+            "network=.")
+    if network.world_size is not None and world_size > network.world_size:
+        raise ValueError(f"torchrun started {world_size} ranks; the modeled cluster has {network.world_size}")
     store = dist.distributed_c10d._get_default_store()
-    key = "course_lib/network_table"
+    key = "course_lib/clock_socket"
+    maestro = None
     if rank == 0:
-        path = os.path.join(tempfile.mkdtemp(prefix="course_lib-network-"), "network")
-        _network.create_table(path, world_size)
-        store.set(key, path)
+        folder = tempfile.mkdtemp(prefix="course_lib-clock-")
+        maestro = _maestro.Maestro(network, world_size, os.path.join(folder, "clock.sock"))
+        maestro.start()
+        store.set(key, maestro.path)
     path = store.get(key).decode()
-    _network.activate(network, path, rank, world_size)
-    dist.barrier()  # every rank is modeling before anyone sends
-    return path
+    dist.barrier()  # the coordinator listens before anyone joins
+    _clock.activate(network, path, rank, world_size)
+    return (network, maestro)
+
+
+def end_torchrun_network(modeled) -> None:
+    """After every rank has left the modeled clock (a collective since): rank 0 stops the coordinator."""
+    network, maestro = modeled
+    if maestro is not None:
+        _clock.record_launch(network, maestro)
+        maestro.stop()
+        shutil.rmtree(os.path.dirname(maestro.path), ignore_errors=True)

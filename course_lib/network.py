@@ -1,17 +1,27 @@
-"""A modeled network under every point-to-point message, so a laptop can show what a cluster's link does.
+"""A modeled network under every message of a launch, with a clock of its own, so a laptop can time a cluster.
 
-On a laptop, Colab or Binder the ranks share a few cores and talk over loopback at several GB/s: a
-message's time is set by the CPU, not by a link, and the course's formulas (the master's link is the
-bottleneck; the ring's time hardly grows with G) never show on the clock. With a `Network`, every
-message a rank sends pays for a link you choose::
+On a laptop, Colab or Binder the ranks share a few cores and talk over loopback: a message's time is
+set by this machine, not by a link, and the course's formulas (the master's link is the bottleneck;
+the ring's time hardly grows with G) never show on its clock. With a `Network`, every message a rank
+sends pays for a link you choose, on a *modeled clock*::
 
     net = course_lib.Network(bandwidth="100 MB/s", latency="200 us")       # topology="switch"
-    course_lib.launch(fn, world_size=4, network=net)
+    net = course_lib.Network.preset("ib_ndr")                              # InfiniBand NDR, 50 GB/s, 5 us
+    net = course_lib.Network.cluster(nodes=8, per_node=8, intra="nvlink4", inter="ib_ndr")
+    course_lib.launch(fn, world_size=4, network=net)        # inside fn: course_lib.clock() is modeled time
 
-The real transfer still happens (over loopback, underneath), and the call then waits until the time
-the modeled link would have delivered it. Every `course_lib.p2p` call and torch.distributed's own
-``send`` / ``recv`` / ``isend`` / ``irecv`` (and ``batch_isend_irecv`` on gloo, made of them) are modeled,
-blocking and non-blocking alike; a call never completes before its modeled time.
+The real transfer still happens (over loopback, underneath), so results stay real; only time is
+modeled. Every rank keeps a modeled clock: a message advances it by the equations below, compute
+between messages costs nothing unless you say so (`course_lib.compute(seconds)`,
+`training.ComputeDelay`, or `count_cpu=True` for this rank's CPU time), and `course_lib.clock()`
+reads it. The same schedule reads the same time on every run, on any machine, under any load, and
+a link far faster than this machine (NVLink at 450 GB/s) is as easy to model as a slow one.
+`course_lib.simulation` keeps the clocks; this module says what the links are.
+
+Every `course_lib.p2p` call and torch.distributed's own ``send`` / ``recv`` / ``isend`` / ``irecv``
+(and ``batch_isend_irecv`` on gloo, made of them) are modeled; torch.distributed's built-in collectives
+(``all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``, ...) take the time of the schedule
+NCCL would run for them (`simulation.collective_time`), so your all-reduce can race torch's.
 
 The model
 ---------
@@ -23,17 +33,23 @@ an outgoing side and an incoming side. A message from rank s to rank d
 1. leaves s's outgoing side when it is free:            start = max(now, out_free[s]);
    it occupies that side for n/B:                       out_free[s] = start + n/B
    (a blocking send, or an isend's wait, completes then: the data has left the rank);
-2. enters d's incoming side at the earliest time >= start at which that side is free for n/B (the
-   switch buffers it meanwhile: s's side is not held up by a busy receiver), and
+2. enters d's incoming side when that side is free:     in_start = max(start, in_free[d])
+   (the switch buffers it meanwhile: s's side is not held up by a busy receiver), for n/B, and
 3. arrives a after its last byte went through:           arrival = in_start + n/B + a.
-   The receive completes at max(arrival, when it was called).
+   The receive completes at max(arrival, when it was posted).
+
+Each side serves messages in the order they reach it in modeled time (ties: lower rank first).
 
 ``topology="full"``: every ordered pair of ranks has a link of its own (a full mesh, as between the
 GPUs of an AMD MI300X platform or in a small NVLink mesh): one queue per destination on the sending
 side, no shared incoming side, so arrival = start + n/B + a with start = max(now, out_free[s][d]).
 
-Compute between messages (adding chunks, a backward pass) is real time on this machine; only
-messages are modeled. What the model predicts for the course's all-reduces (`Network.predict`):
+`Network.cluster(...)`: nodes of k ranks; inside a node the `intra` link (NVLink through an NVSwitch:
+a switch of its own), between nodes the `inter` link through network cards on a non-blocking fabric:
+one card per GPU (``nics="per_gpu"``, rail-optimised clusters: GPU i of every node has a port of its
+own) or one per node (``nics="per_node"``: all of a node's GPUs share its card's two sides).
+
+What the model predicts for the course's all-reduces (`Network.predict`):
 
     algorithm           switch                                   full
     ring                2(G-1) (a + c/B)                         the same (one neighbour each way)
@@ -52,44 +68,24 @@ tree, halving-doubling and recursive doubling have ranks that start early (no ch
 partner), and `predict` follows their schedules rather than adding whole steps. The latency a is paid once per
 message *in flight*, not once per message sent: messages that leave one after another overlap their
 latencies (the naive exchange pays one a, not G-1), unlike the course's step-count model in
-`course_lib.cost`, where alpha stands for the software cost of a step, which cannot overlap.
+`course_lib.cost`, where alpha stands for the software cost of a step, which cannot overlap. On a
+cluster, `predict` simulates the schedule (`simulation.schedule`) with the cluster's links.
 
-What it leaves out: congestion inside the switch (it is non-blocking: only the ranks' own sides
-queue), TCP (slow start, acknowledgements, retransmission, window limits), the NIC's own work and
-offloads (checksums, RDMA, GPUDirect), packet headers, and any cost of a message that is not a
-point-to-point one: torch.distributed's built-in collectives (``dist.all_reduce`` and the rest) run
-at this machine's speed, and the first one a learner calls under a network says so once. The
-incoming side serves messages in the order of their start times as far as it knows them: a rank
-books a message when its receive completes, so a message received late can take an earlier free gap.
-
-The model can only add time: a link faster than this machine's own loopback and per-message cost
-(tens of microseconds to a millisecond here) cannot be modeled. A receive that completes later than
-its modeled arrival by more than half the message's modeled time (and 0.2 ms) is counted as late;
-after a launch in which more than a tenth of the messages were late, `launch` says so in one line,
-and `last_launch()` gives the counts (`report_late(False)` keeps the line back, for code that checks
-the counts itself). All ranks must be on one
-machine: they share its clock and a small table of message start times (a memory-mapped file).
+What it leaves out: congestion inside the switch or fabric (it is non-blocking: only the ranks' own
+sides queue), TCP (slow start, acknowledgements, retransmission, window limits), the NIC's own work and
+offloads (checksums, RDMA, GPUDirect), packet headers, the GPU's copy engines and the cost of
+reductions (unless modeled as compute), and, for built-in collectives, any other traffic on the links
+while they run (they are timed on an idle network, from the moment the last rank enters them).
 """
 
 from __future__ import annotations
 
 import math
-import mmap
-import os
 import re
-import sys
-import threading
-import time
-import zlib
-from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
-
-__all__ = ["Network", "PRESETS", "parse_bandwidth", "parse_latency", "current", "last_launch", "LaunchStats",
-           "report_late"]
+__all__ = ["Network", "Cluster", "PRESETS", "parse_bandwidth", "parse_latency", "current", "last_launch",
+           "LaunchStats", "report_late"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,6 +172,10 @@ class Network:
         topology: "switch" (one link per rank into a non-blocking switch) or "full" (a link per
             ordered pair of ranks).
         name: a label for tables and plots (a preset's name).
+        count_cpu: False (the default): compute between messages costs nothing on the modeled clock unless
+            modeled (`course_lib.compute`, `training.ComputeDelay`). True: each thread's own CPU time
+            (`time.thread_time`) advances its rank's clock too, as on a cluster of CPUs like this one's
+            (CPU time, not wall time, so ranks sharing this machine's cores do not slow each other).
 
     Example::
 
@@ -191,6 +191,7 @@ class Network:
     latency: float = 0.0
     topology: str = "switch"
     name: str = ""
+    count_cpu: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth))
@@ -201,13 +202,37 @@ class Network:
 
     def __repr__(self) -> str:
         label = f", name={self.name!r}" if self.name else ""
+        cpu = ", count_cpu=True" if self.count_cpu else ""
         return (f"Network(bandwidth={_format_bandwidth(self.bandwidth)!r}, latency={_format_latency(self.latency)!r}, "
-                f"topology={self.topology!r}{label})")
+                f"topology={self.topology!r}{label}{cpu})")
 
     def describe(self) -> str:
         """One line: '100 MB/s, 200 us, switch' (with the preset's name in front, if any)."""
         text = f"{_format_bandwidth(self.bandwidth)}, {_format_latency(self.latency)}, {self.topology}"
+        if self.count_cpu:
+            text += ", + CPU time"
         return f"{self.name} ({text})" if self.name else text
+
+    def with_cpu_time(self, enabled: bool = True) -> "Network":
+        """This link with `count_cpu` set: each rank's CPU time between messages counts on its clock."""
+        return replace(self, count_cpu=bool(enabled))
+
+    @classmethod
+    def cluster(cls, nodes: int, per_node: int, intra="nvlink4", inter="ib_ndr", nics: str = "per_gpu",
+                name: str = "") -> "Cluster":
+        """Nodes of `per_node` ranks: `intra` inside a node, `inter` between nodes (see `Cluster`)."""
+        return Cluster(nodes, per_node, intra, inter, nics, name)
+
+    @property
+    def world_size(self) -> None:
+        """Any number of ranks (a cluster has a fixed number)."""
+        return None
+
+    def route(self, src: int, dst: int) -> tuple:
+        """(bandwidth, latency, outgoing side, incoming side or None) of a message from `src` to `dst`."""
+        if self.topology == "full":
+            return self.bandwidth, self.latency, ("pair", src, dst), None
+        return self.bandwidth, self.latency, ("out", src), ("in", dst)
 
     @classmethod
     def preset(cls, name: str, topology: str | None = None) -> "Network":
@@ -222,7 +247,7 @@ class Network:
     def parse(cls, text: str) -> "Network":
         """A network from one string, as the benchmark's --network takes it: a preset's name, or
         'BANDWIDTH[, LATENCY[, TOPOLOGY]]', e.g. '100 MB/s, 200 us' or '1 GB/s, 5 us, full'."""
-        if isinstance(text, Network):
+        if isinstance(text, (Network, Cluster)):
             return text
         parts = [p.strip() for p in str(text).split(",") if p.strip()]
         if len(parts) == 1 and parts[0] in PRESETS:
@@ -244,13 +269,17 @@ class Network:
                 segment_bytes: int | None = None) -> float:
         """The model's seconds for one all-reduce of `nbytes` per rank on `world_size` ranks.
 
-        The formulas of the module docstring, with the exact (largest) chunk of `torch.tensor_split`
-        where a length does not divide. Compute (adding the chunks) and this machine's own cost per
-        message are not in it: a measured time is this plus them.
+        Exactly the time a launch on this network reads for the course's implementation: the ring, the
+        naive exchange and the parameter server by their formulas (the module docstring's, with the exact,
+        largest chunk of `torch.tensor_split` where a length does not divide); the others by simulating
+        their schedule (`course_lib.schedules`), since the formulas hold only when G is a power of two
+        and every length divides (tests/test_network.py checks both). Compute (adding the chunks) costs
+        nothing on the modeled clock and is not in it.
 
         Args:
             algorithm: 'ring', 'ring_pipelined', 'ring_bidirectional', 'naive', 'parameter_server'
-                (or 'master'), 'tree', 'halving_doubling' or 'recursive_doubling'.
+                (or 'master'), 'tree', 'halving_doubling', 'recursive_doubling', or 'builtin'
+                (torch.distributed.all_reduce on the modeled clock: the faster of ring and tree, as NCCL picks).
             nbytes: bytes of the tensor on each rank.
             world_size: G.
             element_size: bytes per element (chunks are cut in whole elements).
@@ -259,98 +288,68 @@ class Network:
         g, a, b = world_size, self.latency, self.bandwidth
         if g < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if algorithm not in _PREDICTED:
+            raise ValueError(f"no prediction for {algorithm!r}: known {', '.join(repr(name) for name in _PREDICTED)}")
         if g == 1:
             return 0.0
+        if algorithm in ("builtin", "nccl"):     # torch's all_reduce on the modeled clock: NCCL's choice
+            from course_lib import simulation
+
+            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)))
         numel = nbytes // element_size
         chunk = -(-numel // g) * element_size  # the largest of torch.tensor_split's G chunks
         full = self.topology == "full"
         if algorithm == "ring":
             return 2 * (g - 1) * (a + chunk / b)
-        if algorithm == "ring_bidirectional":
-            half = -(-(-(-numel // g)) // 2) * element_size  # the larger half of the largest chunk
-            # On a full mesh the halves going left and right take two links, at once; with 2 ranks the left and
-            # right neighbour are one rank, and both halves queue on the one link to it, as on a switch.
-            two_links = full and g > 2
-            return 2 * (g - 1) * (a + (half if two_links else 2 * half) / b)
-        if algorithm == "ring_pipelined":
-            from course_lib.fast_allreduce import SEGMENT_BYTES, segments_per_chunk
-
-            k = segments_per_chunk(numel, g, element_size, segment_bytes or SEGMENT_BYTES)
-            u = chunk / k / b
-            rounds = 2 * (g - 1)
-            return (rounds - 1) * max(k * u, u + a) + k * u + a
         if algorithm == "naive":
             return a + (1 if full else g - 1) * nbytes / b
         if algorithm in ("parameter_server", "master"):
             return 2 * a + 2 * (1 if full else g - 1) * nbytes / b
-        if algorithm == "tree":
-            return _tree_time(g, a, nbytes / b, self.topology == "switch")
-        if algorithm == "recursive_doubling":
-            steps = (1 << (g.bit_length() - 1)).bit_length() - 1
-            return _pairwise_time(g, a, nbytes / b, [nbytes / b] * steps)
-        if algorithm == "halving_doubling":
-            p = 1 << (g.bit_length() - 1)
-            halves = [nbytes / b / 2 ** (j + 1) for j in range(p.bit_length() - 1)]
-            return _pairwise_time(g, a, nbytes / b, halves + halves[::-1])
-        raise ValueError(f"no prediction for {algorithm!r}: known 'ring', 'ring_pipelined', 'ring_bidirectional', "
-                         "'naive', 'parameter_server', 'tree', 'halving_doubling', 'recursive_doubling'")
+        return _simulated(self, algorithm, int(nbytes), g, element_size, segment_bytes)
+
+    def formula(self, algorithm: str, nbytes: int, world_size: int) -> float:
+        """The module docstring's closed formula for `algorithm` (G a power of two, lengths that divide):
+        what `predict` gives in those cases, and a first estimate otherwise."""
+        g, a, b, n = world_size, self.latency, self.bandwidth, float(nbytes)
+        if g == 1:
+            return 0.0
+        full = self.topology == "full"
+        p = 1 << (g.bit_length() - 1)
+        levels = (g - 1).bit_length()
+        formulas = {
+            "ring": lambda: 2 * (g - 1) * (a + n / g / b),
+            "ring_bidirectional": lambda: 2 * (g - 1) * (a + n / g / (2 * b if full and g > 2 else b)),
+            "naive": lambda: a + (1 if full else g - 1) * n / b,
+            "parameter_server": lambda: 2 * a + 2 * (1 if full else g - 1) * n / b,
+            "tree": lambda: 2 * levels * (a + n / b),
+            "halving_doubling": lambda: 2 * math.log2(p) * a + 2 * (p - 1) / p * n / b,
+            "recursive_doubling": lambda: math.log2(p) * (a + n / b),
+        }
+        if algorithm in ("master",):
+            algorithm = "parameter_server"
+        if algorithm not in formulas:
+            raise ValueError(f"no closed formula for {algorithm!r}; known {', '.join(formulas)}")
+        return formulas[algorithm]()
 
 
-def _pairwise_time(world_size: int, latency: float, fold_wire: float, step_wires: list) -> float:
-    """halving_doubling's and recursive_doubling's time under the model, followed through the schedule.
-
-    The P = 2^k ranks that take part swap messages with a partner at every step (`step_wires`: the
-    seconds each step's message occupies a link); a step ends when the partner's message has arrived
-    and one's own has left. When G is not a power of two, the first 2E ranks fold in pairs first and
-    unfold at the end (`fold_wire` each way). A folded-into rank starts the steps late, but a partner
-    that did not fold starts at once, so the fold's delay reaches only some ranks: when G = P + E with
-    E small, the whole takes fewer hops than fold + steps + unfold (G = 3: 2 latencies, not 3).
-    Partners differ at every step, so no incoming side ever queues two messages.
-    """
-    p = 1 << (world_size.bit_length() - 1)
-    extra = world_size - p
-    hop = lambda wire: wire + latency  # noqa: E731  one message on an idle link
-    # when each of the P virtual ranks can start: after its fold partner's tensor arrived, or at once
-    ready = [hop(fold_wire) if v < extra else 0.0 for v in range(p)]
-    for step, wire in enumerate(step_wires):
-        distance = _partner_distance(p, step, len(step_wires))
-        ready = [max(ready[v] + wire, ready[v ^ distance] + hop(wire)) for v in range(p)]
-    unfolded = [ready[v] + hop(fold_wire) for v in range(extra)]
-    return max(ready + unfolded)
+_PREDICTED = ("ring", "ring_pipelined", "ring_bidirectional", "naive", "parameter_server", "master", "tree",
+              "halving_doubling", "recursive_doubling", "builtin", "nccl")
+_simulated_cache: dict = {}
 
 
-def _partner_distance(p: int, step: int, steps: int) -> int:
-    """The partner distance at `step`: halving_doubling goes P/2, ..., 1 then 1, ..., P/2 (2 log2 P
-    steps); recursive_doubling goes 1, 2, ..., P/2 (log2 P steps)."""
-    k = p.bit_length() - 1
-    if steps == k:                      # recursive doubling
-        return 1 << step
-    return p >> (step + 1) if step < k else 1 << (step - k)
+def _simulated(network, algorithm, nbytes, world_size, element_size=4, segment_bytes=None, node_size=None) -> float:
+    """The schedule of `algorithm` replayed on `network` (cached: notebooks ask for the same sizes often)."""
+    from course_lib import schedules, simulation
 
-
-def _tree_time(world_size: int, latency: float, wire: float, switch: bool) -> float:
-    """The binomial tree's time under the model, followed through its schedule (fast_allreduce.tree).
-
-    When G is a power of two this is 2 L (a + N/B). Otherwise some ranks have fewer children and send
-    up early, so the tree finishes sooner than its L levels suggest (G = 5: 4a + 5 N/B, not 6(a + N/B)).
-    """
-    from course_lib.fast_allreduce import _children
-
-    children = {r: _children(r, world_size) for r in range(world_size)}
-    done = {}  # reduce: when rank r's partial sum is complete (and it sends it up)
-    for r in reversed(range(world_size)):  # children have higher ranks than their parent
-        incoming, t = _Calendar(), 0.0
-        for child in children[r]:  # received one after another, nearest first
-            start = incoming.book(done[child], wire) if switch else done[child]
-            t = max(t, start + wire + latency)
-        done[r] = t
-    has = {0: done[0]}  # broadcast: when rank r has the result
-    for r in range(world_size):
-        free = has[r]
-        for child in reversed(children[r]):  # farthest first, each send after the last has left
-            has[child] = free + wire + latency
-            free += wire
-    return max(has.values())
+    key = (network, algorithm, nbytes, world_size, element_size, segment_bytes, node_size)
+    seconds = _simulated_cache.get(key)
+    if seconds is None:
+        events = schedules.schedule(algorithm, nbytes, world_size, node_size=node_size, element_size=element_size,
+                                    segment_bytes=segment_bytes)
+        seconds = _simulated_cache[key] = simulation.replay(events, network).seconds
+        if len(_simulated_cache) > 4096:
+            _simulated_cache.clear()
+    return seconds
 
 
 # Named links. Bandwidths are the standard line rates or vendor figures, per direction; latencies are
@@ -362,452 +361,181 @@ PRESETS = {
              "a switch (an assumption)"),
     "10GbE": (1.25e9, 20e-6, "switch",
               "10 Gigabit Ethernet (IEEE 802.3ae): 10 Gbit/s = 1.25 GB/s each way; 20 us one-way (an assumption)"),
+    "roce100": (12.5e9, 5e-6, "switch",
+                "100 Gigabit Ethernet with RoCE v2 (IEEE 802.3ba/bj line rate): 12.5 GB/s each way; 5 us one-way "
+                "with RDMA (an assumption)"),
+    "roce400": (50e9, 5e-6, "switch",
+                "400 Gigabit Ethernet with RoCE v2 (IEEE 802.3bs line rate): 50 GB/s each way; 5 us (an assumption)"),
     "ib_ndr": (50e9, 5e-6, "switch",
                "InfiniBand NDR, one 400 Gb/s port per GPU (ConnectX-7 user manual): 50 GB/s each way; 5 us, as "
                "course_lib.cost.INFINIBAND_NDR"),
+    "ib_xdr": (100e9, 5e-6, "switch",
+               "InfiniBand XDR, one 800 Gb/s port per GPU (ConnectX-8 SuperNIC product brief): 100 GB/s each way; "
+               "5 us (an assumption)"),
+    "pcie4": (31.5e9, 2e-6, "switch",
+              "PCIe 4.0 x16 (PCI-SIG: 16 GT/s per lane, 128b/130b encoding): 31.5 GB/s each way; 2 us through the "
+              "host (an assumption)"),
+    "pcie5": (63e9, 2e-6, "switch",
+              "PCIe 5.0 x16 (PCI-SIG: 32 GT/s per lane, 128b/130b encoding): 63 GB/s each way; 2 us (an assumption)"),
     "nvlink4": (450e9, 2e-6, "switch",
                 "NVLink 4 between H100 SXM GPUs through NVSwitch (H100 datasheet: 900 GB/s both ways together): "
                 "450 GB/s each way; 2 us, as course_lib.cost.NVLINK4_H100"),
+    "nvlink5": (900e9, 2e-6, "switch",
+                "NVLink 5 between B200 GPUs through NVSwitch (DGX B200 datasheet: 1.8 TB/s both ways together per "
+                "GPU): 900 GB/s each way; 2 us (an assumption)"),
 }
 
 
 # --------------------------------------------------------------------------------------------------
-# The shared table: what a sender tells the receiver about each message
-# --------------------------------------------------------------------------------------------------
-#
-# A receiver needs to know when its message started to leave the sender. The sender writes that
-# (with the message's size, tag and ordinal) into a memory-mapped file all ranks share, before the
-# real send; the receiver reads it after the real receive, so it is always there. One ring of slots
-# per ordered pair of ranks; a slot is free again once the receiver has marked it consumed.
-#
-# Which slot goes with which receive: gloo matches messages between two ranks with the same group
-# and tag in order, so the k-th send from s to d with (group, tag) is the k-th receive of d from s
-# with (group, tag): both sides count, and the count (the ordinal) is stored in the slot.
-
-_SEQ, _GROUP, _TAG, _ORDINAL, _START, _NBYTES, _CONSUMED = range(7)
-_FIELDS = 7
-_COUNTERS = 4  # per rank: messages received, late ones, their seconds late, modeled receive seconds
-
-
-def _slots_per_pair(world_size: int) -> int:
-    return 256 if world_size <= 16 else 64
-
-
-def table_bytes(world_size: int) -> int:
-    """Size of the shared file for `world_size` ranks."""
-    return 8 * (world_size * world_size * _slots_per_pair(world_size) * _FIELDS + world_size * _COUNTERS)
-
-
-def create_table(path: str, world_size: int) -> None:
-    """Create the zero-filled shared file (sparse: pages are only allocated where ranks write)."""
-    with open(path, "wb") as f:
-        f.truncate(table_bytes(world_size))
-
-
-class _Table:
-    """The shared file, as flat float64s: slot fields per ordered pair, then per-rank counters."""
-
-    def __init__(self, path: str, world_size: int):
-        self.world_size, self.slots = world_size, _slots_per_pair(world_size)
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), table_bytes(world_size))
-        self.cells = memoryview(self._map).cast("d")
-        self._counters = world_size * world_size * self.slots * _FIELDS
-
-    def base(self, src: int, dst: int, slot: int) -> int:
-        return ((src * self.world_size + dst) * self.slots + slot) * _FIELDS
-
-    def counter(self, rank: int, index: int) -> int:
-        return self._counters + rank * _COUNTERS + index
-
-    def close(self) -> None:
-        self.cells.release()
-        self._map.close()
-
-
-def read_counters(path: str, world_size: int) -> list[tuple[float, ...]]:
-    """Every rank's (received, late, seconds late, modeled seconds), read by the launcher after a run."""
-    table = _Table(path, world_size)
-    try:
-        return [tuple(table.cells[table.counter(r, i)] for i in range(_COUNTERS)) for r in range(world_size)]
-    finally:
-        table.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# A rank's side of the model
+# A cluster: nodes joined by a slower network
 # --------------------------------------------------------------------------------------------------
 
-
-class _Calendar:
-    """When one incoming side is busy: sorted, merged [start, end) intervals, booked earliest-fit."""
-
-    HORIZON = 60.0  # forget intervals that ended this many seconds before the newest booking
-
-    def __init__(self):
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-
-    def book(self, earliest: float, duration: float) -> float:
-        """Reserve `duration` seconds at the first free moment >= `earliest`; return that moment."""
-        t = earliest
-        i = bisect_right(self.ends, t)  # the first interval that ends after t
-        while i < len(self.starts) and self.starts[i] < t + duration:
-            t = max(t, self.ends[i])
-            i += 1
-        self._insert(t, t + duration)
-        return t
-
-    def _insert(self, start: float, end: float) -> None:
-        i = bisect_right(self.starts, start)
-        self.starts.insert(i, start)
-        self.ends.insert(i, end)
-        # merge with touching neighbours, so a stream of back-to-back messages stays one interval
-        for j in (i, i - 1):
-            if 0 <= j < len(self.starts) - 1 and self.ends[j] >= self.starts[j + 1]:
-                self.ends[j] = max(self.ends[j], self.ends.pop(j + 1))
-                self.starts.pop(j + 1)
-        if self.starts and self.ends[0] < end - self.HORIZON:
-            keep = bisect_right(self.ends, end - self.HORIZON)
-            del self.starts[:keep], self.ends[:keep]
+NICS = ("per_gpu", "per_node")
 
 
-def _group_code(group) -> int:
-    """A number for the process group that is the same on every rank (0 for the default group)."""
-    if group is None or group is distributed_c10d.GroupMember.WORLD:
-        return 0
-    return zlib.crc32(distributed_c10d._get_process_group_name(group).encode()) + 1
-
-
-class _Model:
-    """This rank's bookkeeping: its sending sides' free times, its incoming calendar, the ordinals."""
-
-    def __init__(self, network: Network, table: _Table, rank: int):
-        self.network, self.table, self.rank = network, table, rank
-        self.lock = threading.Lock()
-        self.out_free: dict = {}      # destination (full) or None (switch) -> time the side is free
-        self.incoming = _Calendar()
-        self.sent: dict = {}          # (dst, group, tag) -> messages sent so far
-        self.posted: dict = {}        # (src, group, tag) -> receives posted so far
-        self.next_slot: dict = {}     # (src, dst) -> where to look first
-        self.seq: dict = {}           # dst -> messages written to the pair (src=rank, dst)
-
-    # -- sending ---------------------------------------------------------------------------------
-
-    def book_send(self, dst: int, group: int, tag: int, nbytes: int) -> float:
-        """Book a message's departure and tell the receiver; return when it has left (the send's end)."""
-        network = self.network
-        with self.lock:
-            side = dst if network.topology == "full" else None
-            start = max(time.monotonic(), self.out_free.get(side, 0.0))
-            end = self.out_free[side] = start + nbytes / network.bandwidth
-            key = (dst, group, tag)
-            ordinal = self.sent[key] = self.sent.get(key, 0) + 1
-            self._write_slot(dst, group, tag, ordinal, start, nbytes)
-        return end
-
-    def _write_slot(self, dst, group, tag, ordinal, start, nbytes) -> None:
-        table, cells = self.table, self.table.cells
-        first = self.next_slot.get((self.rank, dst), 0)
-        for offset in range(table.slots):
-            slot = (first + offset) % table.slots
-            base = table.base(self.rank, dst, slot)
-            if cells[base + _SEQ] == 0 or cells[base + _CONSUMED] == 1:
-                break
-        else:
-            raise RuntimeError(
-                f"rank {self.rank}: more than {table.slots} messages to rank {dst} are waiting to be received under "
-                "the modeled network. Receive (or wait for) messages before sending many more.")
-        self.next_slot[(self.rank, dst)] = (slot + 1) % table.slots
-        cells[base + _GROUP], cells[base + _TAG], cells[base + _ORDINAL] = group, tag, ordinal
-        cells[base + _START], cells[base + _NBYTES], cells[base + _CONSUMED] = start, nbytes, 0
-        self.seq[dst] = self.seq.get(dst, 0) + 1
-        cells[base + _SEQ] = self.seq[dst]  # written last: the slot is valid from here on
-
-    # -- receiving -------------------------------------------------------------------------------
-
-    def post_receive(self, src: int, group: int, tag: int) -> int:
-        """Count a receive from `src` when it is posted: its ordinal matches the sender's count."""
-        key = (src, group, tag)
-        with self.lock:
-            ordinal = self.posted[key] = self.posted.get(key, 0) + 1
-        return ordinal
-
-    def complete_receive(self, src: int, group: int, tag: int, ordinal: int, called: float) -> float:
-        """Book a message that has really arrived; return its modeled arrival (or 0 if unknown)."""
-        network, table, cells = self.network, self.table, self.table.cells
-        with self.lock:
-            base = self._find_slot(src, group, tag, ordinal)
-            if base is None:
-                return 0.0  # sent by something the model does not see: nothing to wait for
-            start, nbytes = cells[base + _START], cells[base + _NBYTES]
-            cells[base + _CONSUMED] = 1
-            duration = nbytes / network.bandwidth
-            if network.topology == "switch":
-                start = self.incoming.book(start, duration)
-            arrival = start + duration + network.latency
-            now = time.monotonic()
-            received, late, late_seconds, modeled = (table.counter(self.rank, i) for i in range(_COUNTERS))
-            cells[received] += 1
-            cells[modeled] += duration + network.latency
-            # Late: the real message completed well after both the modeled arrival and the call (by more
-            # than half the message's modeled time, and more than a scheduler's hiccup), so the time it took
-            # is this machine's, not the link's.
-            excess = now - max(arrival, called)
-            if excess > LATE_SLACK + 0.5 * (duration + network.latency):
-                cells[late] += 1
-                cells[late_seconds] += excess
-        return arrival
-
-    def _find_slot(self, src, group, tag, ordinal):
-        table, cells = self.table, self.table.cells
-        first = self.next_slot.get((src, self.rank), 0)
-        for offset in range(table.slots):
-            slot = (first + offset) % table.slots
-            base = table.base(src, self.rank, slot)
-            if (cells[base + _SEQ] != 0 and cells[base + _CONSUMED] == 0 and cells[base + _ORDINAL] == ordinal
-                    and cells[base + _TAG] == tag and cells[base + _GROUP] == group):
-                self.next_slot[(src, self.rank)] = (slot + 1) % table.slots
-                return base
-        return None
-
-
-LATE_SLACK = 2e-4  # seconds: a receive this much (plus half its modeled time) after its modeled arrival is late
-
-
-def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining > 0:
-        time.sleep(remaining)
-
-
-# --------------------------------------------------------------------------------------------------
-# torch.distributed's point-to-point calls, modeled
-# --------------------------------------------------------------------------------------------------
-
-_model: _Model | None = None
-_original: dict = {}  # name -> torch's own function, while a network is active
-P2P_CALLS = ("send", "recv", "isend", "irecv")
-# Built-ins that move data but are not modeled: the first call from a learner's code says so.
-UNMODELED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-             "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-             "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list")
-_COURSE_LIB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _global_peer(group, peer, group_peer):
-    """The global rank torch means by (peer, group_peer): `peer` is global already, `group_peer` is in `group`."""
-    if group_peer is None:
-        return peer
-    if _group_code(group) == 0:
-        return group_peer
-    return dist.get_global_rank(group, group_peer)
-
-
-class _ModeledWork:
-    """What a modeled isend / irecv returns: torch's Work, whose `wait()` also waits for the model."""
-
-    def __init__(self, work, finish):
-        self._work, self._finish, self._deadline = work, finish, None
-
-    def _modeled_end(self) -> float:
-        if self._deadline is None:
-            self._deadline = self._finish(self._work)
-        return self._deadline
-
-    def wait(self, timeout=None) -> bool:
-        if self._deadline is None:  # gloo hangs on a second wait of a receive: wait for real only once
-            called = time.monotonic()
-            result = self._work.wait() if timeout is None else self._work.wait(timeout)
-            if result is False:
-                return result
-            self._deadline = self._finish(self._work, called)
-        _sleep_until(self._deadline)
-        return True
-
-    def is_completed(self) -> bool:
-        if self._deadline is None and not self._work.is_completed():
-            return False
-        return time.monotonic() >= self._modeled_end()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    peer = _global_peer(group, dst, group_dst)
-    end = _model.book_send(peer, _group_code(group), tag, tensor.numel() * tensor.element_size())
-    work = _original["isend"](tensor, dst, group=group, tag=tag, group_dst=group_dst)
-    return _ModeledWork(work, lambda _work, called=None: end)
-
-
-def _irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    code = _group_code(group)
-    peer = _global_peer(group, src, group_src)
-    ordinal = _model.post_receive(peer, code, tag) if peer is not None else None
-    work = _original["irecv"](tensor, src, group=group, tag=tag, group_src=group_src)
-
-    def finish(work, called=None):
-        sender, number = peer, ordinal
-        if sender is None:  # from any source: now we know who sent it
-            source = work._source_rank()
-            sender = source if group is None else dist.get_global_rank(group, source)
-            number = _model.post_receive(sender, code, tag)
-        return _model.complete_receive(sender, code, tag, number, time.monotonic() if called is None else called)
-
-    return _ModeledWork(work, finish)
-
-
-def _send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    _isend(tensor, dst, group, tag, group_dst).wait()
-
-
-def _recv(tensor, src=None, group=None, tag=0, group_src=None):
-    work = _irecv(tensor, src, group, tag, group_src)
-    work.wait()
-    if src is None and group_src is None:  # from any source: say who it was, as torch's recv does
-        source = work._source_rank()
-        return source if _group_code(group) == 0 else dist.get_global_rank(group, source)
-    return _global_peer(group, src, group_src)
-
-
-# torch's own send / recv are isend / irecv plus a wait, and its batch_isend_irecv calls the functions
-# its P2POps name (dist.isend / dist.irecv, these) one by one on gloo: all four are modeled through
-# _isend and _irecv. (On NCCL, batch_isend_irecv coalesces the operations itself and is not modeled.)
-_MODELED = {"send": _send, "recv": _recv, "isend": _isend, "irecv": _irecv}
-
-
-def _unmodeled_notice(name, original):
-    def call(*args, **kwargs):
-        caller = sys._getframe(1).f_code.co_filename
-        if not caller.startswith(_COURSE_LIB_DIR) and name not in _told:
-            _told.add(name)
-            print(f"course_lib: torch.distributed.{name} is not modeled: under a modeled network only point-to-point "
-                  "messages (send/recv/isend/irecv) pay for the link; built-in collectives run at this machine's "
-                  "speed.", file=sys.stderr, flush=True)
-        return original(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = original.__doc__
-    call.__wrapped__ = original
-    return call
-
-
-_told: set = set()
-
-
-def activate(network: Network, table_path: str, rank: int, world_size: int) -> None:
-    """Model every point-to-point message of this process from now on (called on every rank).
-
-    Replaces torch.distributed's send / recv / isend / irecv (in both ``torch.distributed`` and
-    ``torch.distributed.distributed_c10d``, so code that imported either is modeled, and so is torch's
-    batch_isend_irecv, which calls them), and wraps the built-in collectives to say once that they
-    are not modeled.
-    """
-    global _model
-    if _model is not None:
-        raise RuntimeError("a modeled network is already active in this process")
-    _model = _Model(network, _Table(table_path, world_size), rank)
-    for name in P2P_CALLS:
-        _original[name] = getattr(distributed_c10d, name)
-        for module in (dist, distributed_c10d):
-            setattr(module, name, _MODELED[name])
-    for name in UNMODELED:
-        if hasattr(dist, name):
-            _original[name] = getattr(dist, name)
-            setattr(dist, name, _unmodeled_notice(name, _original[name]))
-
-
-def deactivate() -> None:
-    """Undo `activate` (run_torchrun runs in the caller's process, which goes on afterwards)."""
-    global _model
-    if _model is None:
-        return
-    for name, function in _original.items():
-        setattr(dist, name, function)
-        if name in P2P_CALLS:
-            setattr(distributed_c10d, name, function)
-    _original.clear()
-    _model.table.close()
-    _model = None
-
-
-def current() -> Network | None:
-    """The network modeled in this rank, or None (plain loopback)."""
-    return None if _model is None else _model.network
-
-
-# --------------------------------------------------------------------------------------------------
-# After a launch: was the model honest?
-# --------------------------------------------------------------------------------------------------
+def _as_link(value, what: str) -> "Network":
+    if isinstance(value, Network):
+        return value
+    if isinstance(value, str):
+        return Network.parse(value)
+    raise TypeError(f"{what} must be a Network, a preset's name ({', '.join(PRESETS)}) or 'BANDWIDTH, LATENCY', "
+                    f"got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
-class LaunchStats:
-    """What the ranks of one launch under a network counted (`last_launch()`).
+class Cluster:
+    """`nodes` nodes of `per_node` ranks each: rank r sits on node r // per_node.
 
-    Attributes:
-        network: the modeled link.
-        messages: point-to-point messages received, all ranks together.
-        late: how many of them completed later than the model allows (the machine was slower).
-        late_seconds: by how much, summed.
-        modeled_seconds: the model's transfer time of those messages, summed.
+    Inside a node a message takes the `intra` link (its topology too: "switch" for NVLink through an
+    NVSwitch, "full" for a mesh of direct links). Between nodes it takes the `inter` link's bandwidth and
+    latency through network cards on a non-blocking fabric: with ``nics="per_gpu"`` every rank has a
+    card of its own (rail-optimised clusters: an outgoing and an incoming side per rank, as on a switch);
+    with ``nics="per_node"`` the ranks of a node share one card, so messages leaving (or entering) a node
+    at the same time queue on its one side. A launch may use fewer ranks than the cluster has.
+
+    Args:
+        nodes, per_node: the shape (whole numbers >= 1).
+        intra, inter: `Network`s or preset names ("nvlink4", "ib_ndr", ...).
+        nics: "per_gpu" or "per_node".
+        name: a label for tables and plots.
+        count_cpu: as `Network.count_cpu`.
+
+    Example::
+
+        >>> dgx = Network.cluster(nodes=8, per_node=8, intra="nvlink4", inter="ib_ndr")
+        >>> dgx.world_size
+        64
+        >>> dgx.predict("ring", 64 * 2**20) > dgx.predict("hierarchical", 64 * 2**20)
+        True
     """
 
-    network: Network
-    messages: int
-    late: int
-    late_seconds: float
-    modeled_seconds: float
+    nodes: int
+    per_node: int
+    intra: Network = "nvlink4"
+    inter: Network = "ib_ndr"
+    nics: str = "per_gpu"
+    name: str = ""
+    count_cpu: bool = False
+
+    def __post_init__(self):
+        for field_name in ("nodes", "per_node"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field_name} must be a whole number >= 1, got {value!r}")
+        object.__setattr__(self, "intra", _as_link(self.intra, "intra"))
+        object.__setattr__(self, "inter", _as_link(self.inter, "inter"))
+        if self.nics not in NICS:
+            raise ValueError(f"nics must be 'per_gpu' (a network card per rank, rail-optimised) or 'per_node' (one "
+                             f"card a node's ranks share), not {self.nics!r}")
 
     @property
-    def late_share(self) -> float:
-        return self.late / self.messages if self.messages else 0.0
+    def world_size(self) -> int:
+        """The most ranks it holds: nodes x per_node."""
+        return self.nodes * self.per_node
 
-    def notice(self) -> str | None:
-        """One line when more than a tenth of the messages were late, else None."""
-        if self.late_share <= 0.1:
-            return None
-        return (f"{self.late} of {self.messages} messages took longer on this machine than on the modeled link "
-                f"({self.network.describe()}), by {1e3 * self.late_seconds / self.late:.2g} ms each on average: their "
-                "times are this machine's, not the link's. Model a slower link (e.g. Network('100 MB/s', '1 ms')).")
+    def node(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def describe(self) -> str:
+        text = (f"{self.nodes} x {self.per_node} ranks; inside a node {self.intra.describe()}; between nodes "
+                f"{self.inter.describe()}, one card per {'rank' if self.nics == 'per_gpu' else 'node'}")
+        if self.count_cpu:
+            text += "; + CPU time"
+        return f"{self.name} ({text})" if self.name else text
+
+    def __repr__(self) -> str:
+        label = f", name={self.name!r}" if self.name else ""
+        return (f"Network.cluster(nodes={self.nodes}, per_node={self.per_node}, intra={self.intra.name or self.intra!r}"
+                f", inter={self.inter.name or self.inter!r}, nics={self.nics!r}{label})")
+
+    def with_cpu_time(self, enabled: bool = True) -> "Cluster":
+        return replace(self, count_cpu=bool(enabled))
+
+    def route(self, src: int, dst: int) -> tuple:
+        """(bandwidth, latency, outgoing side, incoming side or None) of a message from `src` to `dst`."""
+        if self.node(src) == self.node(dst):
+            bandwidth, latency, out_side, in_side = self.intra.route(src, dst)
+            return bandwidth, latency, ("intra",) + out_side, None if in_side is None else ("intra",) + in_side
+        per_gpu = self.nics == "per_gpu"
+        return (self.inter.bandwidth, self.inter.latency, ("card_out", src if per_gpu else self.node(src)),
+                ("card_in", dst if per_gpu else self.node(dst)))
+
+    def predict(self, algorithm: str, nbytes: int, world_size: int | None = None, element_size: int = 4,
+                segment_bytes: int | None = None) -> float:
+        """The model's seconds for one all-reduce of `nbytes` per rank on the first `world_size` ranks (default:
+        all), simulated with the cluster's links (`course_lib.schedules`): any algorithm `Network.predict`
+        knows (the ring is one ring over every rank, in rank order, so it crosses between nodes), and
+        'hierarchical' (reduce-scatter inside each node, a ring all-reduce of each shard across nodes on
+        its own rail, all-gather inside each node)."""
+        g = self.world_size if world_size is None else world_size
+        if not 1 <= g <= self.world_size:
+            raise ValueError(f"world_size must be 1..{self.world_size} on {self.nodes} nodes of {self.per_node}, got {g}")
+        if algorithm not in _PREDICTED + ("hierarchical",):
+            raise ValueError(f"no prediction for {algorithm!r}: known "
+                             f"{', '.join(repr(name) for name in _PREDICTED + ('hierarchical',))}")
+        if g == 1:
+            return 0.0
+        if algorithm in ("builtin", "nccl"):
+            from course_lib import simulation
+
+            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)))
+        return _simulated(self, algorithm, int(nbytes), g, element_size, segment_bytes,
+                          self.per_node if algorithm == "hierarchical" else None)
+
+    def collective_time(self, kind: str, nbytes: int, members) -> float:
+        from course_lib import simulation
+
+        return simulation.collective_time(self, kind, nbytes, members)
 
 
-_last: LaunchStats | None = None
+
+# --------------------------------------------------------------------------------------------------
+# What the launch measured
+# --------------------------------------------------------------------------------------------------
 
 
-def record_launch(network: Network, table_path: str, world_size: int) -> LaunchStats:
-    """Read the ranks' counters after a launch; remember them for `last_launch()`."""
-    global _last
-    rows = read_counters(table_path, world_size)
-    _last = LaunchStats(network, int(sum(r[0] for r in rows)), int(sum(r[1] for r in rows)),
-                        sum(r[2] for r in rows), sum(r[3] for r in rows))
-    return _last
+def current():
+    """The network modeled in this rank (a `Network` or `Cluster`), or None (plain loopback)."""
+    from course_lib import modeled_clock as clock
+
+    return clock.current_network()
 
 
-_report_late = True
+def last_launch():
+    """In the launching process: what the last launch on a modeled network counted (`LaunchStats`), or None."""
+    from course_lib import modeled_clock as clock
+
+    return clock.last_launch()
 
 
 def report_late(enabled: bool = True) -> None:
-    """Whether `launch` prints its one line after a launch whose messages this machine could not keep up with.
-
-    On by default. Code that times several repetitions and holds the fastest to the model itself (as the
-    notebooks do) can switch it off: on a shared machine one slow repetition is expected, and a line that
-    appears in some runs and not others would make a notebook's stored output differ from a fresh run's.
-    `last_launch()` still gives the counts.
-
-    Example:
-        >>> course_lib.network.report_late(False)
-    """
-    global _report_late
-    _report_late = bool(enabled)
+    """Kept so notebooks written for the sleeping model still run: on the modeled clock no message can be late
+    (time is computed, not waited for), so there is nothing to report either way."""
 
 
-def reports_late() -> bool:
-    """True unless `report_late(False)` was called in this process."""
-    return _report_late
+def __getattr__(name):
+    if name == "LaunchStats":
+        from course_lib.modeled_clock import LaunchStats
 
-
-def last_launch() -> LaunchStats | None:
-    """In the notebook (the launching process): the counts of the last launch that had a network."""
-    return _last
+        return LaunchStats
+    raise AttributeError(f"module 'course_lib.network' has no attribute {name!r}")

@@ -12,10 +12,11 @@ How it is timed
 ---------------
 The learner's function runs on real ranks (gloo, this machine); every send, receive and wait it makes is
 recorded in program order (`tracing.Tracer.events`). The judge then *replays* that schedule on the modeled
-link, with the equations of `course_lib.network` (topology "switch"): a message of n bytes from s to d
+link with `course_lib.simulation.replay`, the very simulation a launch under `network=` runs (topology
+"switch"): a message of n bytes from s to d
 
     leaves s's outgoing side when it is free:     start = max(now_s, out_free_s),  out_free_s = start + n/B
-    enters d's incoming side when that is free (earliest free n/B at or after start), arrives a later:
+    enters d's incoming side when that is free (first come, first served), arrives a later:
                                                   arrival = in_start + n/B + a
     a blocking send (or an isend's wait) ends at out_free_s; a receive (or an irecv's wait) at max(now_d, arrival)
 
@@ -43,8 +44,6 @@ the whole result is compared, and on the timed tensors 2,000-odd positions (chun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from course_lib.exercises import data
@@ -52,6 +51,8 @@ from course_lib.exercises.allreduce_variants import _result_problems
 from course_lib.exercises.cases import clone, standard_cases
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
 from course_lib.exercises.rubric import Family, RubricLine
+from course_lib.simulation import ScheduleError, Timing
+from course_lib.simulation import replay as _replay
 
 __all__ = ["BeatTheRing", "LINKS", "SIZES", "WORLD_SIZES", "replay", "Timing", "ReplayError", "best_known",
            "latency_bound", "bandwidth_bound", "timed_input", "sample_positions", "REFERENCES", "THRESHOLD"]
@@ -125,112 +126,14 @@ def sample_positions(numel: int, world_size: int) -> torch.Tensor:
 # The replay
 # --------------------------------------------------------------------------------------------------
 
-
-class ReplayError(ValueError):
-    """A recorded schedule that cannot be timed (a receive no one sent to, a receive from any source)."""
-
-
-@dataclass
-class Timing:
-    """One replay: `seconds` the all-reduce took (the last rank's clock), `latencies` on the critical path (messages
-    one after another that led to that clock), `busiest_bytes` through the busiest rank's link (sent or received)."""
-
-    seconds: float
-    latencies: int
-    busiest_bytes: int
-    per_rank: list
+# The replay is the modeled network's own simulation (course_lib.simulation): the same equations, the same code
+# as a launch under `network=`.
+ReplayError = ScheduleError
 
 
 def replay(events_by_rank, link) -> Timing:
-    """Time a recorded schedule on `link` (a `course_lib.Network`; switch topology). See the module docstring."""
-    from course_lib.network import _Calendar
-
-    G = len(events_by_rank)
-    B, a = float(link.bandwidth), float(link.latency)
-    events = [list(e) for e in events_by_rank]
-    now, out_free, position, path = [0.0] * G, [0.0] * G, [0] * G, [0] * G
-    calendars = [_Calendar() for _ in range(G)]
-    sent_count, posted, messages, arrivals = {}, {}, {}, {}
-    handles = [dict() for _ in range(G)]
-    sent_bytes, received_bytes = [0] * G, [0] * G
-
-    def receive_key(rank, peer, tag):
-        if not isinstance(peer, int) or not 0 <= peer < G:
-            raise ReplayError(f"rank {rank} received from {peer!r}: the timing needs every receive to name its "
-                              "sender (dist.recv(buffer, src))")
-        return (peer, rank, tag, posted.get((rank, peer, tag), 0) + 1)
-
-    def arrival(key):
-        if key not in arrivals:
-            start, nbytes, hops = messages[key]
-            wire = nbytes / B
-            arrivals[key] = (calendars[key[1]].book(start, wire) + wire + a, hops + 1)
-            received_bytes[key[1]] += nbytes
-        return arrivals[key]
-
-    def finish_receive(rank, key):
-        when, hops = arrival(key)
-        if when > now[rank]:
-            now[rank], path[rank] = when, hops
-
-    def blocked(rank) -> bool:
-        event = events[rank][position[rank]]
-        if event[0] == "recv":
-            return receive_key(rank, event[1], event[3]) not in messages
-        if event[0] == "wait":
-            handle = handles[rank].get(event[1])
-            return handle is not None and handle[0] == "recv" and handle[1] not in messages
-        return False
-
-    while True:
-        ready = [r for r in range(G) if position[r] < len(events[r]) and not blocked(r)]
-        if not ready:
-            waiting = [r for r in range(G) if position[r] < len(events[r])]
-            if not waiting:
-                break
-            rank = waiting[0]
-            event = events[rank][position[rank]]
-            raise ReplayError(f"rank {rank} waits for a message from rank {event[1] if event[0] == 'recv' else '?'} "
-                              "that was never sent in the recorded schedule")
-        rank = min(ready, key=lambda r: (now[r], r))
-        index = position[rank]
-        event = events[rank][index]
-        position[rank] += 1
-        kind = event[0]
-        if kind in ("send", "isend"):
-            _, peer, nbytes, tag = event
-            count = sent_count[(rank, peer, tag)] = sent_count.get((rank, peer, tag), 0) + 1
-            start = max(now[rank], out_free[rank])
-            out_free[rank] = start + nbytes / B
-            messages[(rank, peer, tag, count)] = (start, nbytes, path[rank])
-            sent_bytes[rank] += nbytes
-            if kind == "send":
-                now[rank] = out_free[rank]
-            else:
-                handles[rank][index] = ("send", out_free[rank])
-        elif kind in ("recv", "irecv"):
-            _, peer, nbytes, tag = event
-            key = receive_key(rank, peer, tag)
-            posted[(rank, peer, tag)] = key[3]
-            if kind == "recv":
-                finish_receive(rank, key)
-            else:
-                handles[rank][index] = ("recv", key)
-        elif kind == "wait":
-            handle = handles[rank].pop(event[1], None)
-            if handle is not None and handle[0] == "send":
-                now[rank] = max(now[rank], handle[1])
-            elif handle is not None:
-                finish_receive(rank, handle[1])
-    for rank in range(G):              # requests never waited for still had to finish before the result was there
-        for kind, value in handles[rank].values():
-            if kind == "send":
-                now[rank] = max(now[rank], value)
-            elif value in messages:
-                finish_receive(rank, value)
-    last = max(range(G), key=lambda r: now[r]) if G else 0
-    return Timing(max(now, default=0.0), path[last] if G else 0,
-                  max(max(s, r) for s, r in zip(sent_bytes, received_bytes)) if G else 0, list(now))
+    """Time a recorded schedule on `link` (see the module docstring and `course_lib.simulation.replay`)."""
+    return _replay(events_by_rank, link)
 
 
 def best_known(link, nbytes: int, world_size: int) -> tuple[str, float]:

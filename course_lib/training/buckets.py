@@ -56,16 +56,16 @@ with 2 ranks they are still bit-identical); with one bucket the buffer is today'
 
 from __future__ import annotations
 
+import collections
 import functools
-import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from course_lib import _checks, traffic
+from course_lib import modeled_clock as _clock
 from course_lib import allreduce as allreduce_variants
 
 __all__ = ["Bucket", "BucketTiming", "StepTimeline", "plan_buckets", "GradientBuckets", "MIB"]
@@ -212,10 +212,12 @@ class GradientBuckets:
         self._agree(name)
         self._lock = threading.Condition()
         self._handles, self._thread, self._queue = [], None, None
+        self._waiter = None          # the training thread, while it waits in finish()
+        self._comm_end = 0.0         # the communication thread's clock after its last bucket
         self._error: BaseException | None = None
         self._in_step = False
         if overlap:
-            self._queue = queue.SimpleQueue()
+            self._queue = collections.deque()   # (bucket or None, the clock when it was handed over), under _lock
             self._thread = threading.Thread(target=self._communicate, name=_THREAD_NAME, daemon=True)
             self._thread.start()
             for i, p in enumerate(self.params):
@@ -251,7 +253,7 @@ class GradientBuckets:
         """Arm the buckets for one step; call it after the forward pass, right before backward.
 
         Returns:
-            The `time.perf_counter()` instant the bucket timings of this step count from.
+            The `course_lib.clock()` instant the bucket timings of this step count from.
         """
         if self._error is not None:
             raise RuntimeError("the communication thread failed in an earlier step") from self._error
@@ -265,7 +267,7 @@ class GradientBuckets:
             if not hooked:
                 self._fill(i)
         self._in_step = True
-        self._t0 = time.perf_counter()
+        self._t0 = _clock.clock()
         if self.overlap:
             with self._lock:
                 self._launch_ready()   # a bucket of frozen parameters only is ready at once
@@ -288,36 +290,51 @@ class GradientBuckets:
         """Hand over every bucket that is complete and whose predecessors are launched (lock held)."""
         while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
             k = self._launched
-            self._timings[k].ready = time.perf_counter() - self._t0
+            self._timings[k].ready = _clock.clock() - self._t0
             self._launched += 1
             if self.overlap:
-                self._queue.put(k)
+                self._hand_over(k)
+
+    def _hand_over(self, k) -> None:
+        """Queue bucket k (or None: stop) for the communication thread, with this thread's clock (lock held)."""
+        self._queue.append((k, _clock.now()))
+        _clock.wake(self._thread)
+        self._lock.notify_all()
 
     def _reduce(self, k: int) -> None:
         timing = self._timings[k]
-        timing.start = time.perf_counter() - self._t0
+        timing.start = _clock.clock() - self._t0
         with traffic.record() as recording, _checks.unchecked():   # agreed on once, in __init__
             self._allreduce(self._slice(self.buckets[k]), "sum")
-        timing.end = time.perf_counter() - self._t0
+        timing.end = _clock.clock() - self._t0
         timing.bytes_sent, timing.bytes_received = recording.bytes_sent, recording.bytes_received
         timing.messages_sent = recording.messages_sent
 
     def _communicate(self) -> None:
         """The communication thread: reduce buckets in the order they are handed over, forever."""
         while True:
-            k = self._queue.get()
+            with self._lock:
+                _clock.idle(self._lock, lambda: bool(self._queue))
+                k, handed_over = self._queue.popleft()
             if k is None:
                 return
+            _clock.catch_up(handed_over)     # the bucket was not ready before the training thread handed it over
             try:
                 self._reduce(k)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
                 with self._lock:
                     self._error = exc
-                    self._lock.notify_all()
+                    self._wake_trainer()
                 return
             with self._lock:
                 self._done += 1
-                self._lock.notify_all()
+                self._wake_trainer()
+
+    def _wake_trainer(self) -> None:
+        """(lock held) The training thread may be waiting in finish(): its clock follows this thread's."""
+        self._comm_end = _clock.now()
+        _clock.wake(self._waiter)
+        self._lock.notify_all()
 
     def finish(self) -> tuple[torch.Tensor, list[BucketTiming]]:
         """After backward: make sure every bucket is reduced, and return the buffer and the timings.
@@ -333,15 +350,18 @@ class GradientBuckets:
                         self._fill(i)
                         self._pending[self._bucket_of[i]] -= 1
                 self._launch_ready()
-                while self._done < len(self.buckets) and self._error is None:
-                    self._lock.wait()
+                self._waiter = threading.current_thread()
+                _clock.idle(self._lock, lambda: self._done >= len(self.buckets) or self._error is not None)
+                self._waiter = None
+                end = self._comm_end
+            _clock.catch_up(end)          # the step's gradients are reduced when the last bucket is
             if self._error is not None:
                 raise RuntimeError(f"the all-reduce of a gradient bucket failed on the communication thread: "
                                    f"{self._error!r}") from self._error
         else:
             for i in range(len(self.params)):
                 self._fill(i)
-            ready = time.perf_counter() - self._t0
+            ready = _clock.clock() - self._t0
             for k in range(len(self.buckets)):
                 self._timings[k].ready = ready
                 self._reduce(k)
@@ -355,7 +375,8 @@ class GradientBuckets:
         self._handles = []
         self._in_step = False
         if self._thread is not None:
-            self._queue.put(None)
+            with self._lock:
+                self._hand_over(None)
             if self._error is None and self._done == self._launched:
                 self._thread.join(timeout=5.0)   # idle: it ends at once. Busy (an error elsewhere): leave it, daemon
             self._thread = None

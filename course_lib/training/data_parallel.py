@@ -29,7 +29,6 @@ Use inside a function started by `course_lib.launch` (or torchrun)::
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import allreduce as allreduce_variants
+from course_lib import modeled_clock as _clock
 from course_lib import collectives, traffic
 from course_lib.training import sharding
 from course_lib.training.buckets import MIB, BucketTiming, GradientBuckets, StepTimeline
@@ -450,17 +450,17 @@ def _check_hook(comm_hook, comm_hook_state, bucket_mb, overlap, sharded):
 
 def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded, hook=None):
     """Steps 2 to 4 on this rank, timed: forward, backward (+ buckets), gradient average, update."""
-    t_start = time.perf_counter()
+    t_start = _clock.clock()
     optimizer.zero_grad()
     loss, loss_sum = None, 0.0
     if data is not None:
         loss = _local_loss(model, loss_fn, *data)                                         # step 2
         loss_sum = loss.item() * count
     # Time zero of the step's timeline: the start of backward (the buckets count from the same instant).
-    t_backward = buckets.start_step(count, loss_sum) if buckets is not None else time.perf_counter()
+    t_backward = buckets.start_step(count, loss_sum) if buckets is not None else _clock.clock()
     if loss is not None:
         loss.backward()
-    t_backward_end = time.perf_counter()
+    t_backward_end = _clock.clock()
     if buckets is not None:                                                              # step 3
         buffer, bucket_timings = buckets.finish()
         total, global_loss = apply_reduced_gradient(model, buffer)
@@ -471,9 +471,9 @@ def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, 
             else:
                 total, global_loss = average_gradients(model, count, loss_sum, reduce_in_place)
         bucket_timings = [_after_backward_timing(model, t_backward, t_backward_end, recording)]
-    t_reduced = time.perf_counter()
+    t_reduced = _clock.clock()
     optimizer.step()                                                                      # step 4
-    t_end = time.perf_counter()
+    t_end = _clock.clock()
     timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
                             communication_done=t_reduced - t_backward if buckets is None else
                             max(b.end for b in bucket_timings),
@@ -486,7 +486,7 @@ def _after_backward_timing(model, t_backward, t_backward_end, recording, numel=N
     numel = sum(p.numel() for p in model.parameters()) + 2 if numel is None else numel
     element = next(model.parameters()).element_size()
     after = t_backward_end - t_backward
-    return BucketTiming(0, numel, numel * element, ready=after, start=after, end=time.perf_counter() - t_backward,
+    return BucketTiming(0, numel, numel * element, ready=after, start=after, end=_clock.clock() - t_backward,
                         bytes_sent=recording.bytes_sent, bytes_received=recording.bytes_received,
                         messages_sent=recording.messages_sent)
 
@@ -494,16 +494,16 @@ def _after_backward_timing(model, t_backward, t_backward_end, recording, numel=N
 def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded, hook):
     """Steps 2 to 4 with a DDP communication hook averaging the gradients (see `train_data_parallel`)."""
     state, hook_fn = hook
-    t_start = time.perf_counter()
+    t_start = _clock.clock()
     optimizer.zero_grad()
     loss, loss_sum = None, 0.0
     if data is not None:
         loss = _local_loss(model, loss_fn, *data)
         loss_sum = loss.item() * count
-    t_backward = time.perf_counter()
+    t_backward = _clock.clock()
     if loss is not None:
         loss.backward()
-    t_backward_end = time.perf_counter()
+    t_backward_end = _clock.clock()
     # One bucket laid out as DDP's is after its first step: last parameter first.
     params = list(model.parameters())[::-1]
     gradient = flat_gradient(params)
@@ -519,9 +519,9 @@ def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place,
     for p, value in zip(params, HookBucket(averaged, params).gradients()):
         p.grad = value.clone()
     timing = _after_backward_timing(model, t_backward, t_backward_end, recording, numel=gradient.numel())
-    t_reduced = time.perf_counter()
+    t_reduced = _clock.clock()
     optimizer.step()
-    t_end = time.perf_counter()
+    t_end = _clock.clock()
     timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
                             communication_done=t_reduced - t_backward, optimizer=t_end - t_reduced,
                             total=t_end - t_start, buckets=[timing])
@@ -530,7 +530,7 @@ def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place,
 
 def _layered_step(model, sharded_model, loss_fn, data, count, buckets, reduce_in_place, sharded, hook):
     """Steps 2 to 4 with a `zero_sharded.ShardedDataParallel`: its hooks communicate during forward and backward."""
-    t_start = time.perf_counter()
+    t_start = _clock.clock()
     sharded_model.zero_grad()
     sharded_model.begin_step(count)
     loss, loss_sum = None, 0.0
@@ -539,14 +539,14 @@ def _layered_step(model, sharded_model, loss_fn, data, count, buckets, reduce_in
             loss = _local_loss(model, loss_fn, *data)
             loss_sum = loss.item() * count
         total, global_loss = sharded_model.start_step(count, loss_sum)
-        t_backward = time.perf_counter()
+        t_backward = _clock.clock()
         if loss is not None:
             loss.backward()
-        t_backward_end = time.perf_counter()
+        t_backward_end = _clock.clock()
         sharded_model.finish_gradients()
-        t_reduced = time.perf_counter()
+        t_reduced = _clock.clock()
         sharded_model.step()
-    t_end = time.perf_counter()
+    t_end = _clock.clock()
     timing = BucketTiming(0, 0, 0, ready=t_backward_end - t_backward, start=0.0, end=t_reduced - t_backward,
                           bytes_sent=recording.bytes_sent, bytes_received=recording.bytes_received,
                           messages_sent=recording.messages_sent)

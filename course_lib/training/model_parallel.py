@@ -19,7 +19,6 @@ the same, operation for operation.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import p2p, traffic
+from course_lib import modeled_clock as _clock
 from course_lib.training import sharding
 from course_lib.training.data_parallel import _dataset_len, flat_parameters, take_batch
 
@@ -66,8 +66,9 @@ class PipelineLog:
         parameters: flat copies of this stage's parameters, before training and after each step.
         activation_elements_sent / gradient_elements_sent: what this stage sent forward / backward.
         timeline: (step, 'forward' or 'backward', start, end) of every stretch of computing, in
-            `time.perf_counter()` seconds (one clock for all processes of a machine): the gaps
-            between them are the time the stage spent waiting for its neighbours.
+            `course_lib.clock()` seconds (this machine's `time.perf_counter`, one clock for all processes of a
+            machine; the modeled clock under a modeled network): the gaps between them are the time the stage
+            spent waiting for its neighbours.
     """
 
     rank: int = 0
@@ -136,25 +137,25 @@ def train_model_parallel(stage: nn.Module, optimizer: torch.optim.Optimizer, dat
                 # Forward: my input is the batch (rank 0) or the previous stage's activations.
                 with traffic.phase("forward"):
                     received = inputs if first else _recv_activation(rank - 1, device).requires_grad_(True)
-                    start = time.perf_counter()
+                    start = _clock.clock()
                     output = stage(received)
                     if last:
                         loss = loss_fn(output, targets)
-                    log.timeline.append((step, "forward", start, time.perf_counter()))
+                    log.timeline.append((step, "forward", start, _clock.clock()))
                     if not last:
                         _send_activation(output, rank + 1)
                 # Backward: start from the loss (last rank) or from the gradient the next stage sent.
                 with traffic.phase("backward"):
                     if last:
-                        start = time.perf_counter()
+                        start = _clock.clock()
                         loss.backward()
                         log.losses.append(loss.item())
                     else:
                         grad_output = torch.empty_like(output)
                         p2p.recv(grad_output, rank + 1)
-                        start = time.perf_counter()
+                        start = _clock.clock()
                         output.backward(grad_output)
-                    log.timeline.append((step, "backward", start, time.perf_counter()))
+                    log.timeline.append((step, "backward", start, _clock.clock()))
                     if not first:
                         p2p.send(received.grad.contiguous(), rank - 1)
                 if optimizer is not None:

@@ -6,16 +6,19 @@ processes sharing a few CPU cores: a real backward and a communication thread co
 cores, and overlapping them hides little (notebook 11 measures it). To show what overlap buys where
 compute and communication use different hardware, `ComputeDelay` stands in for a layer's compute:
 
-    forward:   sleeps `forward_s` seconds, returns its input unchanged
-    backward:  sleeps `backward_s` seconds, returns the incoming gradient unchanged
+    forward:   takes `forward_s` seconds, returns its input unchanged
+    backward:  takes `backward_s` seconds, returns the incoming gradient unchanged
 
-A sleep gives up the CPU (and Python's GIL), like a rank waiting for its GPU. Put one after each
+It calls `course_lib.compute(seconds)`: under a modeled network (`launch(..., network=)`) that moves the
+rank's modeled clock on and costs no real time; otherwise it sleeps, which gives up the CPU (and
+Python's GIL), like a rank waiting for its GPU. Put one after each
 layer whose gradients you want to become ready `backward_s` later (`with_compute_delays`): in backward
 the delay runs first, then the layer's own backward produces its gradients. The numbers a model
 computes are exactly those of the model without the delays.
 
 Used with a modeled network (`course_lib.Network`), both sides of the overlap are then modeled:
-compute by these delays, communication by the link; what the clock shows is the schedule.
+compute by these delays, communication by the link, on the modeled clock; what it shows is the
+schedule, the same in every run.
 
 Example::
 
@@ -25,10 +28,10 @@ Example::
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
+
+from course_lib import modeled_clock as _clock
 
 __all__ = ["ComputeDelay", "with_compute_delays"]
 
@@ -38,13 +41,13 @@ class _Delay(torch.autograd.Function):
     def forward(ctx, tensor, forward_s, backward_s):
         ctx.backward_s = backward_s
         if forward_s > 0:
-            time.sleep(forward_s)
+            _clock.compute(forward_s)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.backward_s > 0:
-            time.sleep(ctx.backward_s)
+            _clock.compute(ctx.backward_s)
         return grad, None, None
 
 

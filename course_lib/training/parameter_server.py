@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import p2p
+from course_lib import modeled_clock as _clock
 from course_lib.training import sharding
 from course_lib.training.data_parallel import (_check_model, _dataset_len, _local_loss, flat_gradient,
                                                  set_flat_gradient, take_batch)
@@ -143,8 +143,9 @@ def train_parameter_server(model: nn.Module, optimizer: torch.optim.Optimizer, d
             many updates as the sync run has gradients; fast workers contribute more of them.
         mode: "sync" or "async" (see the module docstring).
         max_staleness: async only: refuse gradients more than this many updates old (None: accept all).
-        worker_delays: seconds each rank sleeps before computing a gradient, index = rank (entry 0 is
-            ignored): stands in for slower and faster GPUs.
+        worker_delays: seconds of compute each rank spends before computing a gradient, index = rank (entry 0
+            is ignored): stands in for slower and faster GPUs (`course_lib.compute`: a sleep, or modeled time
+            under a modeled network).
         evaluate: the server measures the whole-dataset loss after every update (for loss curves).
 
     Returns:
@@ -197,16 +198,16 @@ def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
         accepted = False
         while not accepted:
             if delay:
-                time.sleep(delay)
+                _clock.compute(delay)
             model.zero_grad()
             loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))
             loss.backward()
             push[:-_PUSH_EXTRA] = flat_gradient(model)
             push[-_PUSH_EXTRA:] = torch.tensor([version, loss.item() * len(batch), len(batch)])
-            start = time.perf_counter()
+            start = _clock.clock()
             p2p.send(push, 0, tag=PUSH_TAG)
             p2p.recv(reply, 0, tag=REPLY_TAG)
-            log.waited += time.perf_counter() - start
+            log.waited += _clock.clock() - start
             _load_flat(model, reply[:-_REPLY_EXTRA])
             stop = bool(reply[-1].item())
             if stop:                          # training is over; this last gradient was not used
@@ -258,13 +259,13 @@ def _serve(model, optimizer, dataset, loss_fn, workers, rounds, mode, max_stalen
         log.staleness.append(staleness)
         log.worker.append(worker)
         log.batch_loss.append(batch_loss)
-        log.time.append(time.perf_counter() - start)
+        log.time.append(_clock.clock() - start)
         if evaluate:
             log.loss.append(_full_loss(model, dataset, loss_fn, device))
 
     if evaluate:
         log.initial_loss = _full_loss(model, dataset, loss_fn, device)
-    start = time.perf_counter()
+    start = _clock.clock()
     _wait_all([reply_to(w, True, wait=False) for w in range(1, workers + 1)])    # everyone's first pull
     push = torch.empty(size + _PUSH_EXTRA, dtype=params.dtype, device=device)
     if mode == "sync":

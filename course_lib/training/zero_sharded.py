@@ -57,7 +57,6 @@ order and their collectives match.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import _checks, collectives
+from course_lib import modeled_clock as _clock
 from course_lib import allreduce as allreduce_variants
 from course_lib.training.memory import MemoryCensus, optimizer_tensors
 
@@ -283,7 +283,7 @@ class ShardedDataParallel:
             return collectives.all_gather(pieces, unit.store, async_op=async_op)
 
     def _ensure_gathered(self, unit: Unit) -> None:
-        t0 = time.perf_counter()
+        t0 = _clock.clock()
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
@@ -309,7 +309,7 @@ class ShardedDataParallel:
                                "gathers each layer once per forward, so a layer must not be called twice (no "
                                "weight sharing between calls).")
         self._ensure_gathered(unit)
-        unit.t_start = time.perf_counter()
+        unit.t_start = _clock.clock()
         self._prefetch(self.units[unit.index + 1] if unit.index + 1 < len(self.units) else None)
 
     def _after_forward(self, unit: Unit, output) -> None:
@@ -335,7 +335,7 @@ class ShardedDataParallel:
             self._ensure_gathered(unit)
             self._prefetch(self.units[unit.index - 1] if unit.index > 0 else None)
         self._new_grad_buffer(unit)
-        unit.t_start = time.perf_counter()
+        unit.t_start = _clock.clock()
         self._count(f"layer {unit.index} backward starts")
 
     # ------------------------------------------------------------------------------- the gradients
@@ -367,7 +367,7 @@ class ShardedDataParallel:
         return unit.grad
 
     def _reduce(self, unit: Unit) -> None:
-        t0 = time.perf_counter()
+        t0 = _clock.clock()
         self._calls.append(("reduce", unit.index))
         grad = self._collect_grad(unit)
         self._count(f"layer {unit.index} gradient ready")
@@ -437,7 +437,7 @@ class ShardedDataParallel:
         self._in_step = True
         self._forward_ran = self._backward_ran = False
         self._calls = []
-        self._t0 = time.perf_counter()
+        self._t0 = _clock.clock()
         if self.record_events:
             self.events.append([])
         for unit in self.units:
@@ -529,7 +529,7 @@ class ShardedDataParallel:
             raise RuntimeError("step() before any gradient: call begin_step(), forward, start_step(count, loss_sum), "
                                "backward and finish_gradients() first (train_data_parallel does).")
         self.finish_gradients()
-        t0 = time.perf_counter()
+        t0 = _clock.clock()
         self.optimizer.step()
         self._count("after optimizer step")
         if self.stage in (1, 2):
@@ -577,7 +577,7 @@ class ShardedDataParallel:
 
     def _event(self, kind: str, unit: Unit | None, t0: float) -> None:
         if self.record_events and self.events:
-            end = time.perf_counter()
+            end = _clock.clock()
             self.events[-1].append(StepEvent(kind, -1 if unit is None else unit.index, t0 - self._t0, end - self._t0))
 
     def step_calls(self) -> list:

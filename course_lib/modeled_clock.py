@@ -1,0 +1,678 @@
+"""The clock a rank reads (`course_lib.clock()`): modeled time under a modeled network, this machine's otherwise.
+
+    t0 = course_lib.clock()
+    allreduce.ring(grad)
+    elapsed = course_lib.clock() - t0        # the link's time under launch(..., network=net)
+
+Under ``launch(fn, G, network=net)`` every thread of a rank that communicates keeps a modeled clock
+(`course_lib.simulation` says how it moves; `course_lib._maestro` runs the simulation in the launching
+process). Outside a modeled launch `clock()` is `time.perf_counter()` and `compute(s)` sleeps.
+
+What this module does inside a rank:
+
+* replaces torch.distributed's ``send`` / ``recv`` / ``isend`` / ``irecv`` (in ``torch.distributed`` and
+  ``distributed_c10d``, so course_lib's p2p, a learner's raw calls and torch's ``batch_isend_irecv`` are all
+  timed) and its collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``, ...: timed
+  as the schedule NCCL would run, `simulation.collective_time`);
+* tells the simulation about each call in a small frame, and for a blocking one waits for its answer;
+* still moves the data for real, underneath: a send hands torch a copy of the tensor (the modeled send
+  may end before the real one, and the caller may then change the tensor), and a receive is posted to
+  torch when the simulation has matched it, in the order it matched them, so gloo's first-in first-out
+  matching agrees with the model's, receives from any source included.
+
+Threads: a rank's second thread (an async collective's worker, a bucket's communication thread) has a
+clock of its own. Work handed from one thread to another carries the giver's clock (`now()` when it is
+queued, `catch_up(t)` when it is taken), and a thread that waits for another one says so (`idle`), so
+the simulation does not wait for it. Code that waits on a thread of its own without `idle` holds the
+modeled clock back (the launch then times out, saying so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from course_lib import _maestro as wire
+from course_lib.simulation import ModeledDeadlock, SimulationError, main_actor
+
+__all__ = ["clock", "compute", "now", "catch_up", "idle", "wake", "untimed", "active", "current_network",
+           "last_launch", "LaunchStats", "ModeledDeadlock"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and moving the clock
+# --------------------------------------------------------------------------------------------------
+
+
+def clock() -> float:
+    """Seconds on this thread's clock: modeled time since the launch began under a modeled network,
+    `time.perf_counter()` otherwise (then only differences mean anything)."""
+    state = _state
+    if state is None:
+        return time.perf_counter()
+    return state.link().now()
+
+
+now = clock
+
+
+def compute(seconds: float) -> None:
+    """Spend `seconds` of compute: on the modeled clock it moves this thread's clock on (and costs no real
+    time); otherwise it sleeps, as a rank waiting for its accelerator would."""
+    if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0
+            and math.isfinite(seconds)):
+        raise ValueError(f"compute(seconds) takes a number of seconds >= 0, got {seconds!r}")
+    state = _state
+    if state is None:
+        if seconds > 0:
+            time.sleep(seconds)
+        return
+    link = state.link()
+    link.clock += seconds
+    if seconds > 0:
+        link.send(wire.CLOCK)
+
+
+def catch_up(moment: float) -> None:
+    """This thread's clock becomes at least `moment` (a time another thread read with `now()`): the work it
+    takes over could not start before then. A no-op outside a modeled launch."""
+    state = _state
+    if state is not None:
+        link = state.link()
+        if moment > link.clock:
+            link.clock = moment
+
+
+def active() -> bool:
+    """True inside a rank of a launch under a modeled network."""
+    return _state is not None
+
+
+def current_network():
+    """The `Network` (or `Cluster`) this rank's clock models, or None."""
+    return None if _state is None else _state.network
+
+
+@contextlib.contextmanager
+def untimed():
+    """torch.distributed collectives inside cost nothing on the modeled clock (the clocks only line up):
+    for course_lib's own bookkeeping, such as its cross-rank argument check, which is not part of the
+    algorithm being timed."""
+    previous = getattr(_local, "untimed", False)
+    _local.untimed = True
+    try:
+        yield
+    finally:
+        _local.untimed = previous
+
+
+def idle(condition: threading.Condition, predicate, timeout: float = 0.05) -> None:
+    """``condition.wait_for(predicate)`` for a thread that waits for another thread of its rank.
+
+    Call it with `condition` held, as `wait_for`. Under a modeled clock the thread tells the simulation
+    that it waits (so the simulation goes on without it) until the thread that makes `predicate` true
+    calls `wake(this thread)` with `condition` held. Afterwards the waiter calls `catch_up(t)` with the time
+    the giver left with the work."""
+    state = _state
+    if state is None:
+        condition.wait_for(predicate)
+        return
+    link = state.link()
+    while not predicate():
+        if _state is not state:             # the rank left the modeled clock meanwhile
+            condition.wait_for(predicate)
+            return
+        link.send(wire.PARK, a=link.woken)
+        condition.wait(timeout)
+
+
+def wake(thread: threading.Thread | None) -> None:
+    """Tell the simulation that `thread` (of this rank) has work now, at this thread's clock. Call it with the
+    condition `thread` waits on (`idle`) held, after making its predicate true."""
+    state = _state
+    if state is None or thread is None:
+        return
+    target = state.link_for(thread)
+    with state.lock:
+        target.woken += 1
+        count = target.woken
+    state.link().send(wire.WAKE, a=target.id, c=count)
+
+
+# --------------------------------------------------------------------------------------------------
+# One thread's link to the simulation
+# --------------------------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+class _Link:
+    """A thread's connection to the coordinator, and its clock."""
+
+    def __init__(self, state: "_RankState", actor_id: int, clock_value: float = 0.0):
+        self.state, self.id, self.clock = state, actor_id, clock_value
+        self.sock: socket.socket | None = None
+        self.closed = False
+        self.woken = 0
+        self.cpu_mark = time.thread_time() if state.network.count_cpu else 0.0
+
+    def now(self) -> float:
+        if self.state.network.count_cpu and self.sock is not None:
+            self._count_cpu()
+        return self.clock
+
+    def _count_cpu(self) -> None:
+        mark = time.thread_time()
+        self.clock += max(0.0, mark - self.cpu_mark)
+        self.cpu_mark = mark
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(self.state.path)
+        self.sock = sock
+
+    def send(self, op, request=0, a=0, b=0, c=0, x=0.0, payload=b"") -> None:
+        if self.sock is None:
+            if self.closed:
+                raise SimulationError(f"rank {self.state.rank}: this rank has left the modeled clock")
+            self._connect()
+        if self.state.network.count_cpu:
+            self._count_cpu()
+        self.sock.sendall(wire.REQUEST.pack(op, self.id, request, a, b, c, self.clock, x, len(payload)) + payload)
+
+    def call(self, op, request=0, x=0.0) -> int:
+        """A blocking operation: send, wait for the simulation's answer; returns its detail."""
+        self.send(op, request, x=x)
+        head = self._receive(wire.REPLY.size)
+        status, matches, detail, clock_value = wire.REPLY.unpack(head)
+        if status != 0:
+            message = self._receive(detail).decode()
+            if self.state.network.count_cpu:
+                self.cpu_mark = time.thread_time()
+            raise (ModeledDeadlock if message.startswith("deadlock") else SimulationError)(
+                f"rank {self.state.rank}: {message}")
+        if matches:
+            body = self._receive(matches * wire.MATCH.size)
+            self.state.post_matched([wire.MATCH.unpack_from(body, i * wire.MATCH.size) for i in range(matches)])
+        self.clock = max(self.clock, clock_value)
+        if self.state.network.count_cpu:
+            self.cpu_mark = time.thread_time()   # the clock machinery's own time is not the rank's compute
+        return detail
+
+    def _receive(self, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise SimulationError(f"rank {self.state.rank}: the modeled clock's coordinator went away (the "
+                                      "launch is ending)")
+            data += chunk
+        return bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
+
+class _ThreadEnd:
+    """Kept only in a thread's local storage, so it goes when the thread ends: the simulation then stops
+    waiting for that thread (a thread that ended while it counted as running would hold the clock back)."""
+
+    def __init__(self, link: _Link):
+        self.link = link
+
+    def __del__(self):
+        link = self.link
+        if link.id == main_actor(link.state.rank) or link.closed or _state is not link.state:
+            return
+        try:
+            link.send(wire.DONE_ACTOR)
+        except (OSError, SimulationError):
+            pass
+        link.close()
+
+
+class _Receive:
+    """A receive torch has not been asked for yet: posted when the simulation matches it."""
+    __slots__ = ("tensor", "group", "tag", "work", "source")
+
+    def __init__(self, tensor, group, tag):
+        self.tensor, self.group, self.tag = tensor, group, tag
+        self.work = None
+        self.source = None
+
+
+class _RankState:
+    def __init__(self, network, path: str, rank: int, world_size: int):
+        self.network, self.path, self.rank, self.world_size = network, path, rank, world_size
+        self.lock = threading.RLock()
+        self.posting = threading.Condition(threading.Lock())
+        self.links: dict = {}              # thread -> _Link
+        self.next_actor = 1
+        self.next_request = 0
+        self.receives: dict = {}           # request id -> _Receive
+        self.sends: list = []              # (torch work, the copy it reads) until torch has sent it
+        self.sequences: dict = {}          # group code -> collectives called on it so far
+        self.main = threading.current_thread()
+
+    def link(self) -> _Link:
+        link = getattr(_local, "link", None)
+        if link is None or link.state is not self:
+            link = _local.link = self.link_for(threading.current_thread())
+            _local.guard = _ThreadEnd(link)
+        return link
+
+    def link_for(self, thread: threading.Thread) -> _Link:
+        with self.lock:
+            link = self.links.get(thread)
+            if link is None:
+                if thread is self.main:
+                    actor = main_actor(self.rank)
+                else:
+                    actor = main_actor(self.rank) | self.next_actor
+                    self.next_actor += 1
+                # a new thread starts at its creator's clock, as far as this thread knows it
+                start = getattr(_local, "link", None)
+                link = self.links[thread] = _Link(self, actor, start.clock if start is not None else 0.0)
+            return link
+
+    def request_id(self) -> int:
+        with self.lock:
+            self.next_request += 1
+            return (self.rank << 40) | self.next_request
+
+    def keep_send(self, work, copy) -> None:
+        with self.lock:
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+            self.sends.append((work, copy))
+
+    def post_matched(self, matches) -> None:
+        """Post to torch, in the simulation's match order, the receives it matched."""
+        with self.posting:
+            for request, source in matches:
+                pending = self.receives.get(request)
+                if pending is None or pending.work is not None:
+                    continue
+                pending.source = source
+                pending.work = _original["irecv"](pending.tensor, source, group=pending.group, tag=pending.tag)
+            self.posting.notify_all()
+
+    def posted(self, request: int) -> _Receive:
+        """A matched receive, once posted to torch (by whichever of this rank's threads heard of the match)."""
+        with self.posting:
+            if not self.posting.wait_for(lambda: self.receives[request].work is not None, timeout=30):
+                raise SimulationError(f"rank {self.rank}: a receive the simulation answered was never posted")
+            return self.receives.pop(request)
+
+    def next_sequence(self, code: int) -> int:
+        with self.lock:
+            seq = self.sequences.get(code, 0)
+            self.sequences[code] = seq + 1
+            return seq
+
+
+_state: _RankState | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.distributed's calls, on the modeled clock
+# --------------------------------------------------------------------------------------------------
+
+_original: dict = {}
+P2P_CALLS = ("send", "recv", "isend", "irecv")
+
+
+def _group_code(group) -> int:
+    """A number for the process group that is the same on every rank (0 for the default group)."""
+    if group is None or group is distributed_c10d.GroupMember.WORLD:
+        return 0
+    return zlib.crc32(distributed_c10d._get_process_group_name(group).encode()) + 1
+
+
+def _global_peer(group, peer, group_peer):
+    """The global rank torch means by (peer, group_peer): `peer` is global already, `group_peer` is in `group`."""
+    if group_peer is None:
+        return peer
+    if _group_code(group) == 0:
+        return group_peer
+    return dist.get_global_rank(group, group_peer)
+
+
+class _ModeledRequest:
+    """What a modeled isend / irecv returns: `wait()` waits for the model's time, then for torch."""
+
+    def __init__(self, request: int, kind: str, group=None):
+        self._request, self._kind, self._group = request, kind, group
+        self._done = False
+        self._source = None        # a receive's sender (global rank)
+
+    def wait(self, timeout=None) -> bool:
+        if self._done:
+            return True
+        state = _state
+        link = state.link()
+        detail = link.call(wire.WAIT, self._request)
+        self._finish(state, detail, timeout)
+        return True
+
+    def _finish(self, state, detail, timeout=None):
+        self._done = True
+        if self._kind == "recv":
+            pending = state.posted(self._request)
+            pending.work.wait() if timeout is None else pending.work.wait(timeout)
+            self._source = pending.source if detail < 0 else detail
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        state = _state
+        if state is None:
+            return False
+        answer = state.link().call(wire.TEST, self._request, x=_POLL_SECONDS)
+        if answer:
+            self._finish(state, self._source if self._source is not None else -1)
+        return bool(answer)
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def source_rank(self) -> int:
+        """The sender's rank in the receive's group (as torch's Work)."""
+        if self._kind != "recv":
+            raise RuntimeError("source_rank() is only for receives")
+        self.wait()
+        if _group_code(self._group) == 0:
+            return self._source
+        return distributed_c10d.get_group_rank(self._group, self._source)
+
+    _source_rank = source_rank
+
+    def result(self):
+        self.wait()
+        return []
+
+
+_POLL_SECONDS = 1e-6   # is_completed() that answers False moves the caller's clock on by this much
+
+
+def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    state = _state
+    peer = _global_peer(group, dst, group_dst)
+    copy = tensor.detach().clone()        # the modeled send may end before torch has read the tensor
+    work = _original["isend"](copy, dst, group=group, tag=tag, group_dst=group_dst)
+    state.keep_send(work, copy)
+    request = state.request_id()
+    state.link().send(wire.ISEND, request, a=peer, b=_group_code(group), c=tag,
+                      x=float(tensor.numel() * tensor.element_size()))
+    return _ModeledRequest(request, "send")
+
+
+def _irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    state = _state
+    peer = _global_peer(group, src, group_src)
+    if peer is not None and not isinstance(peer, int):
+        peer = int(peer)
+    request = state.request_id()
+    with state.posting:
+        state.receives[request] = _Receive(tensor, group, tag)
+    state.link().send(wire.IRECV, request, a=-1 if peer is None else peer, b=_group_code(group), c=tag,
+                      x=float(tensor.numel() * tensor.element_size()))
+    return _ModeledRequest(request, "recv", group)
+
+
+def _send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    _isend(tensor, dst, group, tag, group_dst).wait()
+
+
+def _recv(tensor, src=None, group=None, tag=0, group_src=None):
+    work = _irecv(tensor, src, group, tag, group_src)
+    work.wait()
+    return work._source        # the sender's global rank, as torch's recv returns
+
+
+_MODELED_P2P = {"send": _send, "recv": _recv, "isend": _isend, "irecv": _irecv}
+
+
+# The built-in collectives: (how to read the call's bytes, its root argument, the collective's kind).
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+_COLLECTIVES = {
+    "all_reduce": ("all_reduce", lambda a: _nbytes(a["tensor"]), None),
+    "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"]), "src"),
+    "reduce": ("reduce", lambda a: _nbytes(a["tensor"]), "dst"),
+    "all_gather": ("all_gather", lambda a: sum(_nbytes(t) for t in a["tensor_list"]), None),
+    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a["output_tensor"]), None),
+    "reduce_scatter": ("reduce_scatter", lambda a: sum(_nbytes(t) for t in a["input_list"]), None),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"]), None),
+    "all_to_all": ("all_to_all", lambda a: sum(_nbytes(t) for t in a["input_tensor_list"]), None),
+    "all_to_all_single": ("all_to_all", lambda a: _nbytes(a["input"]), None),
+    "gather": ("gather", lambda a: _nbytes(a["tensor"]) * _group_size(a.get("group")), "dst"),
+    "scatter": ("scatter", lambda a: _nbytes(a["tensor"]) * _group_size(a.get("group")), "src"),
+    "barrier": ("barrier", lambda a: 0, None),
+    "monitored_barrier": ("barrier", lambda a: 0, None),
+}
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _members(group) -> tuple:
+    if group is None or group is distributed_c10d.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+class _ModeledCollective:
+    """What an async built-in collective returns: `wait()` waits for the model's time, then for torch."""
+
+    def __init__(self, request: int, work):
+        self._request, self._work, self._done = request, work, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            _state.link().call(wire.WAIT, self._request)
+            self._done = True
+        if self._work is not None:
+            return self._work.wait() if timeout is None else self._work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return self._work is None or self._work.is_completed()
+        answer = _state.link().call(wire.TEST, self._request, x=_POLL_SECONDS)
+        if answer:
+            self._done = True
+        return bool(answer) and (self._work is None or self._work.is_completed())
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _collective(name, original):
+    kind, size, root_name = _COLLECTIVES[name]
+    signature = inspect.signature(original)
+
+    def call(*args, **kwargs):
+        if getattr(_local, "inside", False) or _state is None:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        group = arguments.get("group")
+        timed = not getattr(_local, "untimed", False)
+        nbytes = size(arguments) if timed else 0
+        root = None
+        if root_name is not None:
+            root = arguments.get(root_name)
+            group_root = arguments.get("group_" + root_name)
+            if group_root is not None:
+                root = _global_peer(group, None, group_root)
+        state = _state
+        code = _group_code(group)
+        members = _members(group)
+        request = state.request_id()
+        payload = (kind if timed else "sync").encode().ljust(24, b"\0") + struct.pack(f"<{len(members)}i", *members)
+        link = state.link()
+        link.send(wire.COLLECTIVE, request, a=state.next_sequence(code), b=code, c=-1 if root is None else root,
+                  x=float(nbytes), payload=payload)
+        asynchronous = bool(arguments.get("async_op", False))
+        if not asynchronous:
+            link.call(wire.WAIT, request)        # the model's time first: every member has entered it
+        _local.inside = True
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _local.inside = False
+        if asynchronous:
+            return _ModeledCollective(request, result)
+        return result
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = original.__doc__
+    call.__wrapped__ = original
+    return call
+
+
+def _new_group(original):
+    def call(*args, **kwargs):
+        # Making a group connects its members for real: on the modeled clock it is a collective that costs
+        # nothing, so no rank's clock waits for one that is still getting there.
+        if _state is None or getattr(_local, "inside", False):
+            return original(*args, **kwargs)
+        state = _state
+        request = state.request_id()
+        members = tuple(range(state.world_size))
+        code = -1
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        if bound.arguments.get("use_local_synchronization") and bound.arguments.get("ranks"):
+            members = tuple(sorted(bound.arguments["ranks"]))     # only the members call it, and wait for each other
+            code = -2 - zlib.crc32(repr(members).encode())
+        payload = b"sync".ljust(24, b"\0") + struct.pack(f"<{len(members)}i", *members)
+        link = state.link()
+        link.send(wire.COLLECTIVE, request, a=state.next_sequence(code), b=code, c=-1, x=0.0, payload=payload)
+        link.call(wire.WAIT, request)
+        _local.inside = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _local.inside = False
+
+    call.__name__ = call.__qualname__ = "new_group"
+    call.__wrapped__ = original
+    return call
+
+
+def activate(network, path: str, rank: int, world_size: int) -> None:
+    """Put this rank on the modeled clock (called on every rank, after the process group exists)."""
+    global _state
+    if _state is not None:
+        raise RuntimeError("a modeled network is already active in this process")
+    state = _RankState(network, path, rank, world_size)
+    _state = state
+    link = state.link()
+    link._connect()
+    for name in P2P_CALLS:
+        _original[name] = getattr(distributed_c10d, name)
+        for module in (dist, distributed_c10d):
+            setattr(module, name, _MODELED_P2P[name])
+    for name in _COLLECTIVES:
+        if hasattr(distributed_c10d, name):
+            _original[name] = getattr(distributed_c10d, name)
+            wrapped = _collective(name, _original[name])
+            for module in (dist, distributed_c10d):
+                setattr(module, name, wrapped)
+    _original["new_group"] = distributed_c10d.new_group
+    for module in (dist, distributed_c10d):
+        setattr(module, "new_group", _new_group(_original["new_group"]))
+
+
+def deactivate() -> None:
+    """Take this rank off the modeled clock: tell the simulation it is done, put torch's functions back."""
+    global _state
+    state = _state
+    if state is None:
+        return
+    try:
+        state.link().send(wire.DONE_RANK)
+    except OSError:
+        pass
+    for name, function in _original.items():
+        for module in (dist, distributed_c10d):
+            setattr(module, name, function)
+    _original.clear()
+    for link in list(state.links.values()):
+        link.close()
+    _state = None
+    _local.__dict__.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# After a launch
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchStats:
+    """What the last launch on a modeled network counted (`last_launch()`, in the launching process).
+
+    Attributes:
+        network: the modeled network.
+        messages: point-to-point messages sent, all ranks together.
+        clocks: every rank's clock when its function returned (modeled seconds).
+    """
+
+    network: object
+    messages: int
+    clocks: tuple
+
+    @property
+    def seconds(self) -> float:
+        """The last rank's clock: the launch's modeled time."""
+        return max(self.clocks, default=0.0)
+
+
+_last: LaunchStats | None = None
+
+
+def record_launch(network, maestro) -> LaunchStats:
+    global _last
+    _last = LaunchStats(network, maestro.sim.messages, tuple(maestro.clocks()))
+    return _last
+
+
+def last_launch() -> LaunchStats | None:
+    return _last
+
+
+def _forget_after_fork() -> None:
+    global _state
+    _state = None
+    _local.__dict__.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
