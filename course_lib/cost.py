@@ -1,17 +1,17 @@
 """The alpha-beta (latency-bandwidth) cost model of all-reduce, fitted to measured times.
 
-A message of n bytes costs alpha + n * beta: alpha is the fixed price of a step (software,
-wake-up, wire latency), beta the time per byte (1 / bandwidth of the link). An algorithm that
-takes a(G) steps one after another, and whose busiest rank pushes b(G) * n bytes through its link,
-then takes about
+Notation as in docs/notation.md. A step of m bytes costs alpha + m * beta: alpha is the fixed price of a
+step (the link's latency a plus the software's wake-up and bookkeeping, which does not overlap from step
+to step), beta the time per byte (1 / B for a link's bandwidth B). An algorithm that takes steps(G) steps
+one after another, and whose busiest rank pushes traffic(G) * S bytes through its link, then takes about
 
-    time = a(G) * alpha  +  b(G) * n * beta  [ +  c(G) * n * gamma ]
+    T = steps(G) * alpha  +  traffic(G) * S * beta  [ +  reduction(G) * S * gamma ]
 
-for a tensor of n bytes on each of G ranks. The optional gamma term is the reduction arithmetic
-(c(G) * n bytes added up on the busiest rank, gamma seconds per byte); `predict` accepts it, `fit`
+for a tensor of S bytes on each of G ranks. The optional gamma term is the reduction arithmetic
+(reduction(G) * S bytes added up on the busiest rank, gamma seconds per byte); `predict` accepts it, `fit`
 folds it into beta (see `fit` for why).
 
-    model               a(G)              b(G)                 c(G)       source of the counts
+    model               steps(G)          traffic(G)           reduction(G) source of the counts
     naive               G-1               G-1                  G-1        course_lib.allreduce.naive
     parameter_server    2(G-1)            2(G-1)               G-1        the root receives, then sends, G-1 times
     ring                2(G-1)            2(G-1)/G             (G-1)/G    course_lib.allreduce.ring
@@ -27,8 +27,8 @@ folds it into beta (see `fit` for why).
     halving_doubling    2 log2 P + 2f     2(P-1)/P + 2f        (P-1)/P+f  Rabenseifner; P = largest power of two
                                                                           <= G, f = 1 when G is not one (fold, unfold)
 
-(L = log2 G rounded up.) The ring's b(G) tends to 2: its time hardly grows with G for large
-tensors, which is why NCCL uses it; its a(G) grows linearly, which is why small tensors and very
+(L = log2 G rounded up.) The ring's traffic(G) tends to 2: its time hardly grows with G for large
+tensors, which is why NCCL uses it; its steps(G) grow linearly, which is why small tensors and very
 many ranks want a tree or halving-doubling instead.
 
 `fit` finds alpha and beta from measured times by least squares; `predict` and
@@ -69,16 +69,16 @@ def _hd_traffic(g):
 
 @dataclass(frozen=True)
 class Model:
-    """The step count a(G) and per-byte multipliers b(G), c(G) of one algorithm (see the module table)."""
+    """The step count steps(G) and per-byte multipliers traffic(G), reduction(G) of one algorithm (the module table)."""
 
     name: str
-    steps: object       # a(G): latency terms, messages one after another
-    traffic: object     # b(G): bytes through the busiest rank's link, per byte of the tensor
+    steps: object       # steps(G): latency terms, messages one after another
+    traffic: object     # traffic(G): bytes through the busiest rank's link, per byte of the tensor
     reduction: object   # c(G): bytes the busiest rank adds up, per byte of the tensor
     formula: str
 
     def terms(self, world_size, nbytes):
-        """The columns of the design matrix: a(G), b(G) n, c(G) n (arrays of the inputs' shape)."""
+        """The columns of the design matrix: steps(G), traffic(G) S, reduction(G) S (arrays of the inputs' shape)."""
         g = np.asarray(world_size, dtype=float)
         n = np.asarray(nbytes, dtype=float)
         return self.steps(g) * np.ones_like(n), self.traffic(g) * n, self.reduction(g) * n
@@ -86,23 +86,23 @@ class Model:
 
 MODELS = {
     "naive": Model("naive", lambda g: g - 1, lambda g: g - 1, lambda g: g - 1,
-                   "(G-1) alpha + (G-1) n beta"),
+                   "(G-1) alpha + (G-1) S beta"),
     "parameter_server": Model("parameter_server", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1), lambda g: g - 1,
-                              "2(G-1) alpha + 2(G-1) n beta"),
+                              "2(G-1) alpha + 2(G-1) S beta"),
     "ring": Model("ring", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1) / g, lambda g: (g - 1) / g,
-                  "2(G-1) alpha + 2(G-1)/G n beta"),
+                  "2(G-1) alpha + 2(G-1)/G S beta"),
     "ring_pipelined": Model("ring_pipelined", lambda g: 2 * (g - 1), lambda g: 2 * (g - 1) / g,
-                            lambda g: (g - 1) / g, "2(G-1) alpha + 2(G-1)/G n beta"),
+                            lambda g: (g - 1) / g, "2(G-1) alpha + 2(G-1)/G S beta"),
     "ring_bidirectional": Model("ring_bidirectional", lambda g: 2 * (g - 1), lambda g: (g - 1) / g,
-                                lambda g: (g - 1) / g, "2(G-1) alpha + (G-1)/G n beta"),
+                                lambda g: (g - 1) / g, "2(G-1) alpha + (G-1)/G S beta"),
     "recursive_doubling": Model("recursive_doubling", lambda g: _log2_down(g) + 2 * _folds(g),
                                 lambda g: _log2_down(g) + 2 * _folds(g), lambda g: _log2_down(g) + _folds(g),
-                                "log2(P) alpha + log2(P) n beta (P = largest power of two <= G; +2 alpha + 2 n beta when G != P)"),
+                                "log2(P) alpha + log2(P) S beta (P = largest power of two <= G; +2 alpha + 2 S beta when G != P)"),
     "tree": Model("tree", lambda g: 2 * _log2_up(g), lambda g: 2 * _log2_up(g), lambda g: _log2_up(g),
-                  "2 log2(G) alpha + 2 log2(G) n beta"),
+                  "2 log2(G) alpha + 2 log2(G) S beta"),
     "halving_doubling": Model("halving_doubling", lambda g: 2 * _log2_down(g) + 2 * _folds(g), _hd_traffic,
                               lambda g: _hd_traffic(g) / 2,
-                              "2 log2(P) alpha + 2(P-1)/P n beta (P = largest power of two <= G; +2 alpha + 2 n beta when G != P)"),
+                              "2 log2(P) alpha + 2(P-1)/P S beta (P = largest power of two <= G; +2 alpha + 2 S beta when G != P)"),
 }
 # Other names a result may carry: the master is the parameter server; gloo's built-in all_reduce
 # is itself a ring (gloo/allreduce.cc), so it is described by the ring's model.
@@ -220,11 +220,11 @@ def _nonnegative_lstsq(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
 def fit(model, world_sizes, nbytes, seconds, weighting: str = "relative") -> Fit:
     """Fit alpha and beta of `model` to measured times by least squares.
 
-    The model is linear in its parameters, time = a(G) alpha + b(G) n beta, so with one row per
-    measurement the design matrix is X = [a(G), b(G) n] and `numpy.linalg.lstsq` solves X p = t.
+    The model is linear in its parameters, T = steps(G) alpha + traffic(G) S beta, so with one row per
+    measurement the design matrix is X = [steps(G), traffic(G) S] and `numpy.linalg.lstsq` solves X p = t.
 
     The reduction's own cost (gamma) is not fitted: in every model here the bytes a rank adds up are
-    proportional to the bytes it receives (c(G) is a fixed fraction of b(G)), so no measurement of one
+    proportional to the bytes it receives (reduction(G) is a fixed fraction of traffic(G)), so no measurement of one
     algorithm can tell the two apart. The fitted beta is the cost per byte of receiving *and* adding.
 
     Args:
@@ -478,29 +478,31 @@ def hierarchical_ring(nodes: int, gpus_per_node: int, nbytes, intra: Link = NVLI
                       inter: Link = INFINIBAND_NDR, form: str = "rs_ar_ag") -> HierarchicalPrediction:
     """Model (on paper) a node x GPU all-reduce built from rings, for world sizes no laptop runs.
 
-    M nodes of g GPUs, n bytes per GPU; inside a node the GPUs are linked by `intra`, nodes by
+    M nodes of K GPUs, S bytes per GPU; inside a node the GPUs are linked by `intra`, nodes by
     `inter` (one port per GPU, as in DGX-class machines). Two standard forms:
 
     form='rs_ar_ag' (reduce-scatter / all-reduce / all-gather, as NCCL and Horovod's hierarchical
     all-reduce do it):
 
-        1. ring reduce-scatter inside each node      (g-1) alpha_in + (g-1)/g n beta_in
-        2. g ring all-reduces across nodes at once,  2(M-1) alpha_out + 2(M-1)/M (n/g) beta_out
-           one per local GPU index, on its shard of n/g bytes
-        3. ring all-gather inside each node          (g-1) alpha_in + (g-1)/g n beta_in
+        1. ring reduce-scatter inside each node      (K-1) alpha_in + (K-1)/K S beta_in
+        2. K ring all-reduces across nodes at once,  2(M-1) alpha_out + 2(M-1)/M (S/K) beta_out
+           one per local GPU index, on its shard of S/K bytes
+        3. ring all-gather inside each node          (K-1) alpha_in + (K-1)/K S beta_in
 
     form='three_rings' (ring inside, ring across, ring inside again, through one leader GPU per node):
 
-        1. ring all-reduce inside each node          2(g-1) alpha_in + 2(g-1)/g n beta_in
-        2. ring all-reduce across the M leaders      2(M-1) alpha_out + 2(M-1)/M n beta_out
-        3. leader broadcasts inside the node (ring)  (g-1) alpha_in + n beta_in   (pipelined broadcast)
+        1. ring all-reduce inside each node          2(K-1) alpha_in + 2(K-1)/K S beta_in
+        2. ring all-reduce across the M leaders      2(M-1) alpha_out + 2(M-1)/M S beta_out
+        3. leader broadcasts inside the node (ring)  (K-1) alpha_in + S beta_in   (pipelined broadcast)
 
-    A flat ring over all G = M g ranks takes 2(G-1) steps, each as slow as the slowest link it
-    crosses (inter-node): 2(G-1) alpha_out + 2(G-1)/G n beta_out. The hierarchy wins twice: far fewer
-    slow steps (2(M-1) instead of 2(G-1)), and in 'rs_ar_ag' only n/g bytes per GPU cross the network.
+    A flat ring over all G = M K ranks takes 2(G-1) steps, each as slow as the slowest link it
+    crosses (inter-node): 2(G-1) alpha_out + 2(G-1)/G S beta_out. The hierarchy wins twice: far fewer
+    slow steps (2(M-1) instead of 2(G-1)), and in 'rs_ar_ag' only S/K bytes per GPU cross the network.
+    (On the modeled clock, `Network.cluster(...).predict("hierarchical", ...)` times the rs_ar_ag form with
+    the links' own sides, and notebook 13 runs it on 64 ranks.)
 
     Args:
-        nodes: M (>= 1); gpus_per_node: g (>= 1).
+        nodes: M (>= 1); gpus_per_node: K (>= 1).
         nbytes: bytes per GPU (a number).
         intra, inter: `Link`s (defaults: NVLink 4 inside, InfiniBand NDR across).
         form: 'rs_ar_ag' or 'three_rings'.

@@ -48,7 +48,7 @@ from torch.distributed import distributed_c10d
 from course_lib import _maestro as wire
 from course_lib.simulation import ModeledDeadlock, SimulationError, main_actor
 
-__all__ = ["clock", "compute", "now", "catch_up", "idle", "wake", "untimed", "active", "current_network",
+__all__ = ["clock", "compute", "reduction", "now", "catch_up", "idle", "wake", "untimed", "active", "current_network",
            "last_launch", "LaunchStats", "ModeledDeadlock"]
 
 
@@ -84,6 +84,18 @@ def compute(seconds: float) -> None:
     link.clock += seconds
     if seconds > 0:
         link.send(wire.CLOCK)
+
+
+def reduction(nbytes: int) -> None:
+    """A reduction of two `nbytes` tensors into one: free, unless the modeled network has a
+    `memory_bandwidth`, which then charges 3 nbytes / memory_bandwidth of compute (read two, write one),
+    as a GPU's reduction kernel is bound by its memory. Called by `ops.combine_`."""
+    state = _state
+    if state is None:
+        return
+    speed = getattr(state.network, "memory_bandwidth", None)
+    if speed:
+        compute(3 * nbytes / speed)
 
 
 def catch_up(moment: float) -> None:

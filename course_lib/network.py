@@ -25,24 +25,25 @@ NCCL would run for them (`simulation.collective_time`), so your all-reduce can r
 
 The model
 ---------
-B is the bandwidth (bytes per second, each direction), a the latency (seconds), n a message's bytes.
+Notation as in docs/notation.md: B the bandwidth (bytes per second, each direction), a the latency
+(seconds), m a message's bytes, S the bytes of the tensor on each rank, G the number of ranks.
 
 ``topology="switch"`` (the default): every rank has one full-duplex link into a non-blocking switch,
 an outgoing side and an incoming side. A message from rank s to rank d
 
 1. leaves s's outgoing side when it is free:            start = max(now, out_free[s]);
-   it occupies that side for n/B:                       out_free[s] = start + n/B
+   it occupies that side for m/B:                       out_free[s] = start + m/B
    (a blocking send, or an isend's wait, completes then: the data has left the rank);
 2. enters d's incoming side when that side is free:     in_start = max(start, in_free[d])
-   (the switch buffers it meanwhile: s's side is not held up by a busy receiver), for n/B, and
-3. arrives a after its last byte went through:           arrival = in_start + n/B + a.
+   (the switch buffers it meanwhile: s's side is not held up by a busy receiver), for m/B, and
+3. arrives a after its last byte went through:           arrival = in_start + m/B + a.
    The receive completes at max(arrival, when it was posted).
 
 Each side serves messages in the order they reach it in modeled time (ties: lower rank first).
 
 ``topology="full"``: every ordered pair of ranks has a link of its own (a full mesh, as between the
 GPUs of an AMD MI300X platform or in a small NVLink mesh): one queue per destination on the sending
-side, no shared incoming side, so arrival = start + n/B + a with start = max(now, out_free[s][d]).
+side, no shared incoming side, so arrival = start + m/B + a with start = max(now, out_free[s][d]).
 
 `Network.cluster(...)`: nodes of k ranks; inside a node the `intra` link (NVLink through an NVSwitch:
 a switch of its own), between nodes the `inter` link through network cards on a non-blocking fabric:
@@ -55,17 +56,17 @@ What the model predicts for the course's all-reduces (`Network.predict`):
     ring                2(G-1) (a + c/B)                         the same (one neighbour each way)
     ring_bidirectional  2(G-1) (a + c/B)                         2(G-1) (a + c/(2B))  (G > 2)
     ring_pipelined      (R-1) max(k u, u + a) + k u + a          the same
-    naive               a + (G-1) N/B                            a + N/B
-    parameter_server    2a + 2(G-1) N/B                          2a + 2N/B
-    tree                2 L (a + N/B) when G = 2^L               the same
-                        (less otherwise: followed through the schedule by `predict`)
-    halving_doubling    2 log2(P) a + 2(P-1)/P N/B  (+ up to 2(a + N/B) when G != P: see below)
-    recursive_doubling  log2(P) (a + N/B)           (+ up to 2(a + N/B) when G != P)
+    naive               a + (G-1) S/B                            a + S/B
+    parameter_server    2a + 2(G-1) S/B                          2a + 2S/B
+    tree                2 L (a + S/B)                            the same
+    halving_doubling    2 log2(P) a + 2(P-1)/P S/B               the same
+    recursive_doubling  log2(P) (a + S/B)                        the same
 
-N = bytes per rank, c = the largest chunk's bytes (N/G), L = ceil(log2 G), P the largest power of two
-<= G, R = 2(G-1) rounds of k segments of u = c/(k B) seconds each. When G is not a power of two, the
-tree, halving-doubling and recursive doubling have ranks that start early (no children, no fold
-partner), and `predict` follows their schedules rather than adding whole steps. The latency a is paid once per
+c = the largest chunk's bytes (S/G), L = ceil(log2 G), P the largest power of two <= G, R = 2(G-1)
+rounds of k segments of u = c/(k B) seconds each. These closed formulas (`Network.formula`) hold when G
+is a power of two and every length divides; otherwise some ranks start early (no children, no fold
+partner) or chunks differ, and `predict` replays the algorithm's schedule (`course_lib.schedules`)
+instead, which is exactly what a launch reads. The latency a is paid once per
 message *in flight*, not once per message sent: messages that leave one after another overlap their
 latencies (the naive exchange pays one a, not G-1), unlike the course's step-count model in
 `course_lib.cost`, where alpha stands for the software cost of a step, which cannot overlap. On a
@@ -138,7 +139,7 @@ def parse_latency(value) -> float:
 def _format_bandwidth(bandwidth: float) -> str:
     if math.isinf(bandwidth):
         return "unlimited"
-    for unit, size in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+    for unit, size in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
         if bandwidth >= size:
             return f"{bandwidth / size:.4g} {unit}"
     return f"{bandwidth:.4g} B/s"
@@ -176,6 +177,9 @@ class Network:
             modeled (`course_lib.compute`, `training.ComputeDelay`). True: each thread's own CPU time
             (`time.thread_time`) advances its rank's clock too, as on a cluster of CPUs like this one's
             (CPU time, not wall time, so ranks sharing this machine's cores do not slow each other).
+        memory_bandwidth: None (the default): adding chunks costs nothing. A bandwidth ("3.35 TB/s", an H100's
+            HBM3): every reduction course_lib's all-reduces make (`ops.combine_`) costs 3 n / memory_bandwidth
+            of compute for n bytes (read two, write one), as a reduction kernel bound by memory does.
 
     Example::
 
@@ -192,9 +196,12 @@ class Network:
     topology: str = "switch"
     name: str = ""
     count_cpu: bool = False
+    memory_bandwidth: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth))
+        if self.memory_bandwidth is not None:
+            object.__setattr__(self, "memory_bandwidth", parse_bandwidth(self.memory_bandwidth))
         object.__setattr__(self, "latency", parse_latency(self.latency))
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be 'switch' (one link per rank into a switch) or 'full' (a link per "
@@ -203,19 +210,26 @@ class Network:
     def __repr__(self) -> str:
         label = f", name={self.name!r}" if self.name else ""
         cpu = ", count_cpu=True" if self.count_cpu else ""
+        memory = (f", memory_bandwidth={_format_bandwidth(self.memory_bandwidth)!r}" if self.memory_bandwidth else "")
         return (f"Network(bandwidth={_format_bandwidth(self.bandwidth)!r}, latency={_format_latency(self.latency)!r}, "
-                f"topology={self.topology!r}{label}{cpu})")
+                f"topology={self.topology!r}{label}{cpu}{memory})")
 
     def describe(self) -> str:
         """One line: '100 MB/s, 200 us, switch' (with the preset's name in front, if any)."""
         text = f"{_format_bandwidth(self.bandwidth)}, {_format_latency(self.latency)}, {self.topology}"
         if self.count_cpu:
             text += ", + CPU time"
+        if self.memory_bandwidth:
+            text += f", reductions at {_format_bandwidth(self.memory_bandwidth)}"
         return f"{self.name} ({text})" if self.name else text
 
     def with_cpu_time(self, enabled: bool = True) -> "Network":
         """This link with `count_cpu` set: each rank's CPU time between messages counts on its clock."""
         return replace(self, count_cpu=bool(enabled))
+
+    def with_memory_bandwidth(self, bandwidth) -> "Network":
+        """This link with reductions charged at a device's memory `bandwidth` (see `memory_bandwidth`)."""
+        return replace(self, memory_bandwidth=bandwidth)
 
     @classmethod
     def cluster(cls, nodes: int, per_node: int, intra="nvlink4", inter="ib_ndr", nics: str = "per_gpu",
@@ -418,7 +432,7 @@ class Cluster:
         intra, inter: `Network`s or preset names ("nvlink4", "ib_ndr", ...).
         nics: "per_gpu" or "per_node".
         name: a label for tables and plots.
-        count_cpu: as `Network.count_cpu`.
+        count_cpu, memory_bandwidth: as for a `Network`.
 
     Example::
 
@@ -436,8 +450,11 @@ class Cluster:
     nics: str = "per_gpu"
     name: str = ""
     count_cpu: bool = False
+    memory_bandwidth: float | None = None
 
     def __post_init__(self):
+        if self.memory_bandwidth is not None:
+            object.__setattr__(self, "memory_bandwidth", parse_bandwidth(self.memory_bandwidth))
         for field_name in ("nodes", "per_node"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -470,6 +487,9 @@ class Cluster:
 
     def with_cpu_time(self, enabled: bool = True) -> "Cluster":
         return replace(self, count_cpu=bool(enabled))
+
+    def with_memory_bandwidth(self, bandwidth) -> "Cluster":
+        return replace(self, memory_bandwidth=bandwidth)
 
     def route(self, src: int, dst: int) -> tuple:
         """(bandwidth, latency, outgoing side, incoming side or None) of a message from `src` to `dst`."""

@@ -71,7 +71,13 @@ def check_dtype(op: str, dtype: torch.dtype) -> str | None:
 
 
 def combine_(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> torch.Tensor:
-    """accumulator <- accumulator (op) incoming, in place. AVG adds here and divides in `finish_`."""
+    """accumulator <- accumulator (op) incoming, in place. AVG adds here and divides in `finish_`.
+
+    On a modeled clock whose network has a `memory_bandwidth`, this costs the time a device bound by its
+    memory takes: read both, write one (`modeled_clock.reduction`)."""
+    from course_lib import modeled_clock   # imported here: the clock imports torch.distributed's patches
+
+    modeled_clock.reduction(accumulator.numel() * accumulator.element_size())
     if op in (SUM, AVG):
         if accumulator.dtype == torch.bool:
             return accumulator.logical_or_(incoming)

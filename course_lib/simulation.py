@@ -16,14 +16,14 @@ Three users, one set of equations:
 * `collective_time(...)`: torch.distributed's built-in collectives under a modeled launch take the time
   of the schedule NCCL would run (`schedule`), simulated here on an idle network.
 
-The equations (B the route's bandwidth, a its latency, n the message's bytes):
+The equations (docs/notation.md: B the route's bandwidth, a its latency, m the message's bytes):
 
     a message leaves the sender's outgoing side when it is free:   start = max(issued, out_free)
-                                                                  out_free = start + n/B
+                                                                  out_free = start + m/B
     (a blocking send, or an isend's wait, completes then: the data has left the rank)
     it enters the receiver's incoming side when that is free:      in_start = max(start, in_free)
-                                                                  in_free = in_start + n/B
-    and arrives a after its last byte:                             arrival = in_start + n/B + a
+                                                                  in_free = in_start + m/B
+    and arrives a after its last byte:                             arrival = in_start + m/B + a
 
 Each side serves its messages in the order they reach it in modeled time (first come, first served;
 ties by rank and then by the order the rank issued them). Which sides a message uses is the
