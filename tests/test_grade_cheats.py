@@ -2,14 +2,17 @@
 ring_scatter_reduce not written; a few cheats use notebook 07's average_gradients) plus one cell with a cheat,
 and each must score 0, with the judge unharmed and nothing the submission started still running afterwards.
 
-The cheats run for real: the sandbox runs as an unprivileged user (these tests run as root, as on
-Gradescope), and every cheat first leaves a mark in a folder the sandbox may write, so a test can tell that
-the cheat ran and did not just fail to start. One test runs a cheat with the sandbox as the judge's own user,
-to check that the warden alone (no user switch) stops what a submission leaves behind.
+The cheats run for real: the sandbox runs as an unprivileged user in namespaces of its own (these tests run
+as root), and every cheat cell ends by raising an error that says it ran (and what it found: REPORT), which
+the grader notes; so a test can tell that the cheat ran and did not just fail to start. The sandbox sees no
+folder of the host to leave a mark in. One test runs a cheat with the sandbox as the judge's own user and no
+isolation, to check that the warden alone stops what a submission leaves behind. tests/test_grade_isolation.py
+attacks the isolation itself, in both setups.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -17,7 +20,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -50,15 +52,15 @@ def average_gradients(model):
 class Notebook:
     """A cheat that needs more than one cell of notebook 04: another notebook, more cells, shorter time limits."""
 
-    cells: tuple                                  # the cheat's cells (the first one leaves the mark)
+    cells: tuple                                  # the cheat's cells (the first one reports that it ran)
     name: str = "04_ring_scatter_reduce.ipynb"
     stub: str = STUB
     exercise: str = "ring_scatter_reduce"
     limits: tuple = (("cell_timeout", 60),)      # grade_notebook's keyword arguments
 
 
-# Each cheat's cell (or a Notebook); it first writes an empty file (proof that it ran), whose path MARK names
-# where a cheat reports what it managed.
+# Each cheat's cell (or a Notebook); the harness ends its first cell with a raise that reports REPORT, a list
+# a cheat may append what it managed to.
 CHEATS = {
     "replaces_the_grader_and_the_check": '''
         import course_lib.exercises as exercises_module
@@ -206,8 +208,8 @@ CHEATS = {
             os._exit(0)                                    # before the rank writes its own record''',
     "reads_the_judges_memory_and_files": '''
         import os, pathlib
-        report = []
-        warden = os.getppid()                              # root's, like the judge above it
+        outcomes, listed = set(), []
+        warden = os.getppid()                              # root's (the sandbox's init), like the judge above it
         judge = pathlib.Path(f"/proc/{warden}/stat").read_text().rsplit(")", 1)[1].split()[1]
         for pid in (warden, judge):
             for what, attempt in (("environ", lambda: pathlib.Path(f"/proc/{pid}/environ").read_bytes()),
@@ -216,15 +218,15 @@ CHEATS = {
                                   ("stdout", lambda: open(f"/proc/{pid}/fd/1", "w").write("score 10/10\\n"))):
                 try:
                     attempt()
-                    report.append(f"{what} of the judge: done")
+                    outcomes.add(f"{what} done")
                 except OSError as exc:
-                    report.append(f"{what} of the judge: {type(exc).__name__}")
+                    outcomes.add(type(exc).__name__)
         for folder in (pathlib.Path.cwd().parent, pathlib.Path("/root")):
             try:
-                report.append(f"list {folder}: {os.listdir(folder)}")
+                listed += os.listdir(folder)
             except OSError as exc:
-                report.append(f"list {folder}: {type(exc).__name__}")
-        pathlib.Path(MARK).write_text("\\n".join(report))
+                outcomes.add(type(exc).__name__)
+        REPORT.extend([sorted(outcomes), sorted(listed)])
         ring_scatter_reduce = ring_scatter_reduce''',
     "averages_through_the_process_group_behind_padding_messages": Notebook(('''
         import torch, torch.distributed as dist
@@ -251,27 +253,32 @@ def user():
     sandbox.release_users([held])
 
 
-@pytest.fixture
-def marks():
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-cheat-marks-"))
-    folder.chmod(0o777)                       # the sandbox user may leave its mark here, and nothing else of ours
-    yield folder
-
-
 def _as_notebook(cheat) -> Notebook:
     return cheat if isinstance(cheat, Notebook) else Notebook((cheat,))
 
 
-def _notebook(folder, cheat, mark: pathlib.Path) -> pathlib.Path:
+RAN, STARTED = "CHEAT RAN: ", "CHEAT STARTED\n"
+
+
+def _notebook(folder, cheat) -> pathlib.Path:
     cheat = _as_notebook(cheat)
-    sources = [textwrap.dedent(cell).strip().replace("MARK", repr(str(mark))) for cell in cheat.cells]
-    sources[0] = f"open({str(mark)!r}, 'w').close()\n" + sources[0]
+    sources = [textwrap.dedent(cell).strip() for cell in cheat.cells]
+    sources[0] = (f"import os as _os\n_os.write(2, {STARTED!r}.encode())\nREPORT = []\n{sources[0]}\n"
+                  f"raise RuntimeError({RAN!r} + repr(REPORT))")
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     notebook.cells = [nbformat.v4.new_code_cell(cheat.stub)] + [nbformat.v4.new_code_cell(s) for s in sources]
     path = folder / cheat.name
     nbformat.write(notebook, path)
     return path
+
+
+def _report(notes) -> str | None:
+    """What the cheat reported in the note on its cell's error, or None when it did not run to its end."""
+    for note in notes:
+        if RAN in note:
+            return note.split(RAN, 1)[1]
+    return None
 
 
 def _processes_of(uid: int) -> list[int]:
@@ -298,14 +305,16 @@ def test_there_are_at_least_eight_cheats():
 
 
 @pytest.mark.parametrize("name", sorted(CHEATS))
-def test_a_cheat_on_an_empty_submission_scores_zero(name, user, marks, tmp_path):
+def test_a_cheat_on_an_empty_submission_scores_zero(name, user, tmp_path):
     before = _course_lib_digest()
     cheat = _as_notebook(CHEATS[name])
-    mark = marks / name
-    path = _notebook(tmp_path, cheat, mark)
+    path = _notebook(tmp_path, cheat)
     started = time.monotonic()
     grade = judge.grade_notebook(path, user=user, **dict(cheat.limits))
-    assert mark.exists(), f"the cheat did not run: {grade.notes}"
+    report = _report(grade.notes)
+    assert any(STARTED.strip() in info for info in grade.info), f"the cheat did not run: {grade.info}"
+    if name != "prints_result_markers_and_writes_fake_frames":     # its frames take the place of the kernel's replies
+        assert report is not None, f"the cheat did not run to its end: {grade.notes}"
     assert grade.status == "graded", grade.notes
     assert [t["name"] for t in grade.tests] == [cheat.exercise]
     assert grade.score == 0 and grade.max_score == registry.get(cheat.exercise).points, grade.tests[0]["output"]
@@ -313,32 +322,36 @@ def test_a_cheat_on_an_empty_submission_scores_zero(name, user, marks, tmp_path)
     assert time.monotonic() - started < dict(cheat.limits).get("timeout", 900)
     assert _processes_of(user.uid) == [], "a process the submission started outlived its grading"
     assert _course_lib_digest() == before, "a submission changed course_lib's files"
-    if name == "reads_the_judges_memory_and_files":        # the warden's and the judge's, then two folders
-        tries = mark.read_text().splitlines()
-        assert len(tries) == 10 and all(t.endswith(": PermissionError") for t in tries), tries
+    if name == "reads_the_judges_memory_and_files":
+        # Its parent is the sandbox's init; the judge is not in its namespace at all. Every try at either fails,
+        # and the folders it lists (its home's parent, /root) hold nothing but its home and the folders that lead
+        # to what it runs (a Python installed in /root).
+        outcomes, listed = ast.literal_eval(report)[:2]
+        assert outcomes and all(o in ("PermissionError", "FileNotFoundError") for o in outcomes), outcomes
+        leading = {pathlib.Path(p).parts[2] for p in sandbox.namespace_binds() if p.startswith(("/home/", "/root/"))}
+        assert set(listed) <= {"sandbox"} | leading and "sandbox" in listed, listed
     if name == "sleeps_past_the_timeouts_and_ignores_interrupts":
         assert any("the kernel died in cell 2" in note for note in grade.notes), grade.notes
 
 
-def test_a_cheat_cannot_forge_the_commands_results(user, marks, tmp_path):
+def test_a_cheat_cannot_forge_the_commands_results(user, tmp_path):
     """The cheat looks for the judge's --json path and writes full marks there; the judge writes after it is gone."""
-    mark = marks / "results"
-    path = _notebook(tmp_path, CHEATS["writes_results_files"], mark)
+    path = _notebook(tmp_path, CHEATS["writes_results_files"])
     out = tmp_path / "results.json"
     done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(path), "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert mark.exists()
     results = json.loads(out.read_text())
     assert results["score"] == 0 and results["tests"], results
+    assert any(RAN in t["output"] for t in results["tests"]), results["tests"]
 
 
-def test_without_a_user_switch_the_warden_still_stops_everything_the_submission_left(marks, tmp_path):
-    """The sandbox as the judge's own user (a grader without root): setsid and double forks are still found."""
-    mark = marks / "same-user"
-    path = _notebook(tmp_path, CHEATS["leaves_background_processes"], mark)
-    grade = judge.grade_notebook(path, user=None, cell_timeout=60)
-    assert mark.exists() and grade.score == 0
+def test_without_isolation_the_warden_still_stops_everything_the_submission_left(tmp_path):
+    """The sandbox as the judge's own user, no namespaces (isolation 'none'): setsid and double forks are still
+    found by the warden, a child subreaper."""
+    path = _notebook(tmp_path, CHEATS["leaves_background_processes"])
+    grade = judge.grade_notebook(path, user=None, cell_timeout=60, isolation="none")
+    assert _report(grade.notes) is not None and grade.score == 0
     assert "3 processes the notebook started were still running after grading and were stopped" in grade.notes
 
     def command_line(path):
@@ -349,26 +362,26 @@ def test_without_a_user_switch_the_warden_still_stops_everything_the_submission_
     assert [p for p in pathlib.Path("/proc").glob("[0-9]*/cmdline") if command_line(p).startswith(b"sleep\x00600")] == []
 
 
-def test_an_install_closed_to_other_users_is_read_through_a_mirror_of_hard_links(user, marks, tmp_path,
-                                                                                  monkeypatch):
-    """A clone in a mktemp folder (mode 700), a venv in /root: the sandbox user cannot reach the install, so the
-    kernel reads a mirror of hard links instead, and can still write none of course_lib's files."""
+def test_without_namespaces_a_closed_install_is_read_through_a_mirror_of_hard_links(user, tmp_path, monkeypatch):
+    """Isolation 'users' (no namespaces): course_lib is always read from a root-owned mirror of the package alone
+    (never the checkout around it), and a torch the sandbox user cannot reach (a venv in /root) from a mirror of
+    hard links of the site folders; the sandbox can still write none of course_lib's files."""
     real = {pathlib.Path(course_lib.__file__).resolve().parent, pathlib.Path(torch.__file__).resolve().parent}
     reachable = sandbox._open_to_others
     monkeypatch.setattr(sandbox, "_open_to_others", lambda path, need: path not in real and reachable(path, need))
     monkeypatch.setattr(sandbox, "_MIRROR", {})
     before = _course_lib_digest()
-    mark = marks / "mirror"
     cheat = CHEATS["edits_course_lib_on_disk"].replace(
         "ring_scatter_reduce = ring_scatter_reduce",
-        "import torch\n        open(MARK, 'w').write(course_lib.__file__ + '\\n' + torch.__file__)\n"
+        "import torch\n        REPORT.extend([course_lib.__file__, torch.__file__])\n"
         "        ring_scatter_reduce = ring_scatter_reduce")
     try:
-        grade = judge.grade_notebook(_notebook(tmp_path, cheat, mark), user=user)
+        grade = judge.grade_notebook(_notebook(tmp_path, cheat), user=user, isolation="users")
         mirror = sandbox._MIRROR["root"]
         assert grade.status == "graded" and grade.score == 0, grade.notes
-        read_from = mark.read_text().splitlines()
-        assert all(pathlib.Path(p).is_relative_to(mirror) for p in read_from), (read_from, mirror)
+        read_from = ast.literal_eval(_report(grade.notes))
+        assert len(read_from) == 2 and all(pathlib.Path(p).is_relative_to(mirror) for p in read_from), (read_from,
+                                                                                                       mirror)
         assert _course_lib_digest() == before, "a submission changed course_lib's files through the mirror"
         assert mirror.stat().st_uid == 0 and mirror.stat().st_mode & 0o777 == 0o755
     finally:

@@ -9,8 +9,10 @@ submission's processes send is executed, and nothing they send can reach a score
 checked against the judge's own oracle.
 
 Failures cost what they touch: a cell that raises is noted and the notebook runs on; a cell that runs too
-long is interrupted; a cell that kills its process is left out and the notebook run again without it; an
-answer whose check kills the sandbox scores 0 and the sandbox is started again for the next exercise.
+long is interrupted; a cell that kills its process, or reaches one of the sandbox's limits (memory, disk,
+processes: the warden stops the whole sandbox), is left out and the notebook run again without it, with a note
+that says which; an answer whose check does the same scores 0 and the sandbox is started again for the next
+exercise; the notebook's own time limit ends it.
 """
 
 from __future__ import annotations
@@ -27,15 +29,18 @@ from fractions import Fraction
 
 from course_lib.exercises import QUESTION_NOT_DONE, registry, runner
 from course_lib.exercises.report import Result, format_points
+from course_lib.grade import assign
 from course_lib.grade.cells import cells_to_run
-from course_lib.grade.notebook import NotebookError, code_cells, exercises_in, exercises_of_number, read_notebook
-from course_lib.grade.sandbox import (Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
-                                      SandboxUser)
+from course_lib.grade.notebook import NotebookError, code_cells, exercises_of_number, read_file, read_notebook
+from course_lib.grade.sandbox import (Limits, Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
+                                      SandboxUser, choose_isolation, default_user, human, limit_words, release_users,
+                                      running_as_root, sandbox_users, sweep_user)
 
 __all__ = ["NotebookGrade", "grade_notebook", "GRADING_BUDGET"]
 
 GRADING_BUDGET = 300.0    # seconds one exercise's hidden cases may take in all (the learner's check has 45)
 _VALUE_TIMEOUT = 60.0     # seconds a question's answer may take to compute (a formula on the whole grid)
+_CELL_NOTES = 20          # notes on cells that raised, at most (then how many more)
 
 
 @dataclass
@@ -158,16 +163,23 @@ class _Session:
     """One notebook's sandbox: started on first use, the cells the answers need run, started again after a cell
     killed it (and the plan made again without that cell: what it would have bound now comes from elsewhere)."""
 
-    def __init__(self, path, cells, answer_names, workdir, log_path, user, cell_timeout, deadline, grade):
+    def __init__(self, path, cells, answer_names, workdir, log_path, user, cell_timeout, deadline, grade,
+                 isolation="none", limits=None, notebook=None):
         self.path, self.cells, self.answer_names = path, cells, answer_names
         self.workdir, self.log_path, self.user = workdir, log_path, user
         self.cell_timeout, self.deadline, self.grade = cell_timeout, deadline, grade
+        self.isolation, self.limits, self.notebook = isolation, limits or Limits(), notebook
         self.box: Sandbox | None = None
         self.skip: set = set()            # positions (in `cells`) of cells that killed the kernel
         self.left_running = 0
         self.run_notes: list = []
+        self.raised = 0                   # cells that raised, noted or not
+        self.limit_hit: str | None = None # the last limit the sandbox reached
+        self.log_tail = ""                # the end of what the sandbox's kernel printed itself (for the instructor)
+        self.timings = {"sandbox start": 0.0, "cells": 0.0, "stop": 0.0, "plan": 0.0}
+        started = time.monotonic()
         self.plan, self.why = self._plan()
-        self.timings = {"sandbox start": 0.0, "cells": 0.0, "stop": 0.0}
+        self.timings["plan"] = time.monotonic() - started
 
     def _plan(self):
         kept = [i for i in range(len(self.cells)) if i not in self.skip]
@@ -187,18 +199,24 @@ class _Session:
             if self._left() <= 0:
                 raise SandboxTimeout("the notebook ran out of time")
             started = time.monotonic()
-            self.box = Sandbox.start(self.workdir, self.log_path, self.user, startup_timeout=min(120, max(1, self._left())))
+            self.box = Sandbox.start(self.workdir, self.log_path, self.user, isolation=self.isolation,
+                                     limits=self.limits, notebook=self.notebook,
+                                     startup_timeout=min(120, max(1, self._left())))
             ready = time.monotonic()
             self.run_notes = []
             died_in = self._run_cells()
             self.timings["sandbox start"] += ready - started
             self.timings["cells"] += time.monotonic() - ready
             if died_in is not None:
+                hit = self.box.limit_hit
                 self.stop()
                 self.skip.add(died_in)
                 self.plan, self.why = self._plan()
-                self.grade.notes.append(f"the kernel died in cell {self.cells[died_in][0]}; it was run again without "
-                                        "that cell")
+                number = self.cells[died_in][0]
+                self.grade.notes.append(
+                    f"cell {number} reached the sandbox's {limit_words(hit)} and was stopped; the notebook was run "
+                    "again without that cell" if hit else
+                    f"the kernel died in cell {number}; it was run again without that cell")
         self.grade.notes += self.run_notes
         self.run_notes = []
         return self.box
@@ -225,16 +243,30 @@ class _Session:
                 continue
             except (SandboxDied, SandboxError):
                 return position
+            if self.box.check_limits():
+                return position
             if isinstance(reply, dict) and reply.get("status") == "error":
                 error = str(reply.get("error", ""))[:300]
                 if not error.startswith("KeyboardInterrupt"):
-                    self.run_notes.append(f"cell {position_in_notebook} raised {error}")
+                    self.raised += 1
+                    if self.raised <= _CELL_NOTES:
+                        self.run_notes.append(f"cell {position_in_notebook} raised {error}" + self._memory_words(error))
         return None
+
+    def _memory_words(self, error: str) -> str:
+        """Where no cgroup holds the memory, a process's own limit refuses a large allocation: say which."""
+        if any(words in error for words in ("MemoryError", "can't allocate memory", "Cannot allocate memory")):
+            return f" (the sandbox's memory limit is {human(self.limits.memory)})"
+        return ""
 
     def stop(self) -> None:
         if self.box is not None:
+            tail = self.box.log_tail(600)
+            if tail:
+                self.log_tail = tail
             started = time.monotonic()
             self.left_running += max(0, self.box.stop())
+            self.limit_hit = self.box.limit_hit or self.limit_hit
             self.box = None
             self.timings["stop"] += time.monotonic() - started
 
@@ -307,43 +339,72 @@ def _check(session, exercise, weights, case_timeout) -> Result:
     try:
         box = session.sandbox()
         if exercise.kind == "question":
-            return _check_question(box, exercise, weights)
-        return _check_function(box, exercise, weights, case_timeout)
+            result = _check_question(box, exercise, weights)
+        else:
+            result = _check_function(box, exercise, weights, case_timeout)
+        if box.check_limits():
+            raise SandboxDied(box.why_ended())
+        return result
     except _NotGradable as exc:
         return exc.result
     except SandboxStartError:
         raise
     except (SandboxDied, SandboxTimeout, SandboxError) as exc:
+        hit = session.box.limit_hit if session.box is not None else None
         session.stop()
+        if hit:
+            return _zero(exercise, f"not graded: while it was checked, the notebook reached the sandbox's "
+                                   f"{limit_words(hit)} and was stopped.", weights)
         return _zero(exercise, f"not graded: the notebook's process stopped answering while it was checked ({exc}).",
                      weights)
 
 
-def _workdir(root, user: SandboxUser | None) -> pathlib.Path:
+def _workdir(root, user: SandboxUser | None, isolation: str, name: str, data: bytes) -> tuple:
+    """The sandbox's folder and its copy of the notebook.
+
+    namespaces: a folder of the judge's alone (the sandbox's mount points; the copy, which the sandbox's init puts
+    in the sandbox's own home). Otherwise the sandbox's home itself, owned by `user`, with the copy in it."""
     folder = pathlib.Path(tempfile.mkdtemp(prefix="notebook-", dir=root))
+    safe = name if name and not name.startswith(".") else "notebook.ipynb"
+    if isolation == "namespaces":
+        copy = folder / "submitted.ipynb"
+        copy.write_bytes(data)
+        copy.chmod(0o600)
+        return folder, {"source": str(copy), "name": safe}
     (folder / "tmp").mkdir()
+    copy = folder / safe
+    copy.write_bytes(data)
+    copy.chmod(0o600)
     if user is not None:
-        for path in (folder, folder / "tmp"):
+        for path in (folder, folder / "tmp", copy):
             os.chown(path, user.uid, user.gid)
-    return folder
+    return folder, None
 
 
 def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, timeout: float = 900.0,
                    cell_timeout: float = 300.0, weights: dict | None = None,
-                   case_timeout: float | None = None) -> NotebookGrade:
+                   case_timeout: float | None = None, isolation: str | None = None, limits: Limits | None = None,
+                   exercises: list | None = None, notes=()) -> NotebookGrade:
     """Grade the notebook at `path`: run the cells its answers need in a sandbox, check every exercise it has
     with the hidden cases, here, from the data the sandbox returns.
 
     Args:
-        user: run the sandbox as this unprivileged user (`sandbox.sandbox_users`; the judge must be root).
+        user: run the sandbox as this unprivileged user (`sandbox.sandbox_users`; the judge must be root). As root
+            without one, a user is taken for this notebook alone and swept after.
         workroot: where the sandbox's folder is made (a private temporary folder by default).
         timeout: seconds for the whole notebook; cell_timeout: seconds for one cell.
         weights: {exercise: {line: points}} from a rubric file (`rubric.load_weights`).
         case_timeout: seconds one case may run on the ranks (default `runner.CASE_TIMEOUT`).
+        isolation: 'namespaces', 'users', 'none', or None / 'auto': the strongest this machine gives
+            (`sandbox.choose_isolation`).
+        limits: the sandbox's memory, disk and processes (`sandbox.Limits`; its defaults otherwise).
+        exercises: the exercises to grade it on (`assign.plan_submission` decides them for a submission); None:
+            those of its own assignment that it has (`assign.plan_notebook`), the others noted.
+        notes: notes to give the learner with it (from the submission's plan).
 
     Returns:
-        A `NotebookGrade`. A file that is not a runnable notebook gets status 'unreadable' or 'unrunnable' and,
-        when its name starts with a notebook's number, 0 for each of that notebook's exercises.
+        A `NotebookGrade`. A file that is not a runnable notebook gets status 'unreadable', 'unrunnable', 'refused'
+        or 'too large' and 0 for each exercise it was to be graded on (by default those of its file name's number).
 
     Example::
 
@@ -354,32 +415,47 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
     path = pathlib.Path(path)
     started = time.monotonic()
     grade = NotebookGrade(str(path))
+    grade.notes += list(notes)
     weights = weights or {}
     try:
-        notebook = read_notebook(path)
+        data = read_file(path)
+        notebook = read_notebook(path, data)
     except NotebookError as exc:
         grade.status = exc.kind
         grade.notes.append(str(exc))
+        names = exercises if exercises is not None else exercises_of_number(path.name)
         grade.tests = [_zero(registry.get(name), "not graded: " + str(exc), weights.get(name)).to_dict()
-                       for name in exercises_of_number(path.name)]
+                       for name in names]
         grade.seconds = time.monotonic() - started
         return grade
-    names = exercises_in(notebook, path.name)
+    if exercises is None:
+        _, names, foreign = assign.plan_notebook(notebook, path.name)
+        grade.notes += foreign
+    else:
+        names = list(exercises)
     if not names:
-        grade.notes.append("no exercises found in this notebook")
+        if exercises is None:
+            grade.notes.append("no exercises found in this notebook")
+        else:
+            grade.status = "skipped"
         grade.seconds = time.monotonic() - started
         return grade
-    exercises = [registry.get(name) for name in names]
+    isolation = choose_isolation(isolation)
+    own_user = running_as_root() and user is None and isolation != "none"
+    if own_user:
+        (user,) = sandbox_users(1, default_user())
+    exercises_ = [registry.get(name) for name in names]
     own_root = workroot is None
     root = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-grade-")) if own_root else pathlib.Path(workroot)
     if own_root:
         root.chmod(0o711)          # the sandbox may enter its own folder here, not list the others
-    workdir = _workdir(root, user)
-    session = _Session(path, code_cells(notebook), [e.answer_name for e in exercises], workdir,
-                       root / f"{workdir.name}.log", user, cell_timeout, started + timeout, grade)
+    workdir, copy = _workdir(root, user, isolation, path.name, data)
+    session = _Session(path, code_cells(notebook), [e.answer_name for e in exercises_], workdir,
+                       root / f"{workdir.name}.log", user, cell_timeout, started + timeout, grade,
+                       isolation=isolation, limits=limits, notebook=copy)
     checks = {}
     try:
-        for exercise in exercises:
+        for exercise in exercises_:
             before = time.monotonic() - sum(session.timings.values())
             result = _check(session, exercise, weights.get(exercise.name), case_timeout)
             checks[exercise.name] = time.monotonic() - sum(session.timings.values()) - before
@@ -393,14 +469,25 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
     finally:
         session.stop()
         grade.info.append(session.describe_plan())
+        if session.log_tail:
+            grade.info.append("the sandbox's own output ended: " + session.log_tail)
+        if session.raised > _CELL_NOTES:
+            grade.notes.append(f"{session.raised - _CELL_NOTES} more cells raised errors (not listed)")
         if session.left_running:
             grade.notes.append(f"{session.left_running} process{'es' if session.left_running != 1 else ''} the "
                                "notebook started were still running after grading and were stopped")
+        if own_user:
+            sweep_user(user, files=isolation == "users")
+            release_users([user])
         shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            (root / f"{workdir.name}.log").unlink()
+        except OSError:
+            pass
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
     if grade.status != "graded":
-        grade.tests = [_zero(e, f"not graded: {grade.notes[-1]}", weights.get(e.name)).to_dict() for e in exercises]
+        grade.tests = [_zero(e, f"not graded: {grade.notes[-1]}", weights.get(e.name)).to_dict() for e in exercises_]
     grade.seconds = time.monotonic() - started
     grade.timings = {**{k: round(v, 3) for k, v in session.timings.items()},
                      "checks": {k: round(v, 3) for k, v in checks.items()}}

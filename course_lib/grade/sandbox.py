@@ -1,6 +1,7 @@
-"""Sandboxes: a process of its own for every notebook being graded, as another user when the judge is root.
+"""Sandboxes: a process tree of its own for every notebook being graded, seeing nothing but what grading needs.
 
-    box = Sandbox.start(workdir, log_path, user=None)     # the warden, then the kernel in a session of its own
+    isolation = choose_isolation("auto")                  # 'namespaces', 'users' or 'none' (see below)
+    box = Sandbox.start(stage, log_path, user, isolation=isolation, limits=Limits(), notebook=copy)
     box.request({"op": "cell", "source": "x = 1"}, timeout=300)     # -> the kernel's reply, as data
     box.interrupt()                                       # SIGINT to the kernel (a cell ran too long)
     box.stop()                                            # -> how many processes had to be killed
@@ -8,16 +9,31 @@
 Who runs what (docs/architecture.md has the picture):
 
     judge (python -m course_lib.grade)       never runs the submission's code; computes every score
-      warden (_warden.py, one per notebook)  a child subreaper: every process the submission starts stays below it
-        kernel (kernel.py)                   the submission's cells, as the sandbox user, in a new session
-          ranks (forked by course_lib.launch)  the learner's functions
+      warden (_warden.py, one per notebook)  a child subreaper; holds the limits; kills everything at the end
+        init (namespaces only)               PID 1 of the sandbox's namespaces: built its root, reaps
+          kernel (kernel.py)                 the submission's cells, as the sandbox user, in a new session
+            ranks (forked by course_lib.launch)  the learner's functions
 
-When the judge is root (Gradescope, a container) the kernel runs as an unprivileged user (`sandbox_users`: one
-per student graded at the same time, made with useradd when missing), so it cannot read the judge's files,
-write the results, or signal or trace the judge; when the student's last notebook is done, `sweep_user`
-kills whatever that user still runs. Without root the kernel runs as the judge's own user: the score still
-cannot be forged (it is computed in the judge from data), but such a submission can read and write whatever
-you can; grade as root in a container to rule that out.
+Isolation, strongest first (`choose_isolation` picks the strongest the machine gives; `--isolation` or the
+environment variable COURSE_LIB_GRADE_ISOLATION ask for one):
+
+* **namespaces** (root on Linux, or a user the kernel allows user namespaces): mount, PID, IPC, network and
+  UTS namespaces of its own. The sandbox's file system is read-only binds of Python, the packages and
+  course_lib (nothing else of the host: not the repository, not the submissions, not the logs) and one tmpfs
+  of `Limits.disk` bytes for /tmp, /var/tmp, /dev/shm and its home, which holds a copy of the notebook. Its
+  /proc shows its own processes; its loopback is its own; its System V objects are its own. All of it goes
+  when its last process ends. As root a cgroup holds memory (swap included) and processes and gives it a CPU
+  share of its own; the kernel runs as an unprivileged user either way.
+* **users** (root without namespaces: a container without CAP_SYS_ADMIN, as on Gradescope): each student
+  graded gets an unprivileged user of its own (`sandbox_users`), students are graded one at a time (so no
+  other submission's process or port exists while one runs), course_lib is read through a root-owned mirror,
+  the grader refuses to start when that user could read the instructor's checkout or any submission
+  (`exposed_to`), and when a student is done everything the user owns is swept: processes, System V objects,
+  files in every folder it could write (`sweep_user`). Limits: rlimits, and the warden's polling of the
+  memory, processes and disk the sandbox uses.
+* **none** (no root, no user namespaces): the kernel runs as the grader's own user. The score still cannot be
+  forged (the judge computes it from data), but the submission can read and write whatever you can. Only on
+  request (`--isolation none`).
 """
 
 from __future__ import annotations
@@ -25,23 +41,27 @@ from __future__ import annotations
 import os
 import pathlib
 import pwd
+import re
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from course_lib.grade import channel
 
-__all__ = ["Sandbox", "SandboxUser", "SandboxError", "SandboxStartError", "SandboxDied", "SandboxTimeout", "sandbox_users",
-           "release_users", "sweep_user",
-           "running_as_root", "WARDEN"]
+__all__ = ["Sandbox", "SandboxUser", "Limits", "SandboxError", "SandboxStartError", "SandboxDied", "SandboxTimeout",
+           "IsolationError", "sandbox_users", "release_users", "sweep_user", "running_as_root", "choose_isolation",
+           "namespaces_available", "exposed_to", "shared_dirs", "parse_size", "describe_isolation", "WARDEN",
+           "ISOLATIONS", "DEFAULT_USER", "default_user", "checkouts", "SECRET_FOLDERS"]
 
 WARDEN = str(pathlib.Path(__file__).with_name("_warden.py"))
 DEFAULT_USER = "course_lib_grader"
-NPROC_LIMIT = 4096     # processes and threads of one sandbox user: a fork bomb stops here
+ISOLATIONS = ("namespaces", "users", "none")
+HOME = "/home/sandbox"            # the sandbox's home folder, inside its namespaces
 
 
 class SandboxError(RuntimeError):
@@ -53,11 +73,15 @@ class SandboxStartError(SandboxError):
 
 
 class SandboxDied(SandboxError):
-    """The kernel ended (a cell or an answer killed it) before it replied."""
+    """The kernel ended (a cell or an answer killed it, or it reached a limit) before it replied."""
 
 
 class SandboxTimeout(SandboxError):
     """The kernel did not reply in time."""
+
+
+class IsolationError(SandboxError):
+    """The isolation asked for is not available here (the message says why and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +91,133 @@ class SandboxUser:
     gid: int
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one sandbox (one notebook being graded) may use.
+
+    memory: bytes of memory, all its processes together (the kernel, the ranks; with namespaces its tmpfs counts
+        too). Default 4 GiB: grading the solutions of 00-11, notebook 11 (8 ranks) peaked at 1.4 GiB.
+    disk: bytes it may write (its /tmp, /var/tmp, /dev/shm and home together). Default 1 GiB.
+    processes: processes and threads, all together. Default 1024: grading the solutions peaked at 50.
+
+    With namespaces as root, a cgroup holds memory (swap included) and processes exactly, and the disk is a
+    tmpfs of that size. Elsewhere each process has an address-space limit of `memory` + 1 GiB (what torch maps
+    without using it), files are at most `disk` bytes, the user's processes at most 4 x `processes`, and the
+    warden adds up the sandbox's memory (proportional set size), processes and files twice a second and after
+    every cell, and stops it when one is over.
+    """
+
+    memory: int = 4 << 30
+    disk: int = 1 << 30
+    processes: int = 1024
+
+    def describe(self) -> str:
+        return f"memory {human(self.memory)}, disk {human(self.disk)}, {self.processes} processes and threads"
+
+
+def human(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size and count % (size // 16 or 1) == 0:
+            return f"{count / size:g} {unit}"
+    return f"{count:,} bytes"
+
+
+def parse_size(text) -> int:
+    """'4G', '512M', '1.5GiB', '100000' -> bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if not match:
+        raise ValueError(f"{text!r} is not a size: write it as 4G, 512M or a number of bytes")
+    number, unit = float(match.group(1)), match.group(2)
+    value = int(number * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit])
+    if value <= 0:
+        raise ValueError(f"{text!r} is not a size above 0")
+    return value
+
+
 def running_as_root() -> bool:
     return os.geteuid() == 0
 
+
+def default_user() -> str:
+    """The sandbox users' name: COURSE_LIB_GRADE_USER, else course_lib_grader (then ...1, ...2 when several)."""
+    return os.environ.get("COURSE_LIB_GRADE_USER") or DEFAULT_USER
+
+
+# --------------------------------------------------------------------------------------------------
+# Which isolation this machine gives
+# --------------------------------------------------------------------------------------------------
+
+_PROBES: dict = {}
+
+
+def namespaces_available() -> tuple[bool, str]:
+    """(True, '') when a sandbox can have its own namespaces here (as root, or through a user namespace without
+    root); else (False, why). Asked once per process."""
+    if "result" not in _PROBES:
+        command = [sys.executable, WARDEN, "--probe"] + ([] if running_as_root() else ["--userns"])
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            ok = done.returncode == 0 and done.stdout.strip() == "ok"
+            why = "" if ok else (done.stdout.strip() or done.stderr.strip()[-300:] or f"exit {done.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            ok, why = False, str(exc)
+        _PROBES["result"] = (ok, why)
+    return _PROBES["result"]
+
+
+def choose_isolation(requested: str | None = "auto") -> str:
+    """The isolation to grade with: `requested` ('auto', or one of ISOLATIONS), or the environment variable
+    COURSE_LIB_GRADE_ISOLATION when `requested` is 'auto' or None.
+
+    Raises:
+        IsolationError: the isolation asked for (or, for 'auto', any) is not available; the message says why.
+    """
+    requested = requested or "auto"
+    if requested == "auto":
+        requested = os.environ.get("COURSE_LIB_GRADE_ISOLATION", "auto") or "auto"
+    if requested not in ("auto", *ISOLATIONS):
+        raise IsolationError(f"unknown isolation {requested!r}: choose auto, {', '.join(ISOLATIONS)}")
+    if requested == "none":
+        return "none"
+    if requested == "users":
+        if not running_as_root():
+            raise IsolationError("isolation 'users' needs root (it runs each student as a user of its own)")
+        return "users"
+    ok, why = namespaces_available()
+    if ok:
+        return "namespaces"
+    if requested == "namespaces":
+        raise IsolationError(f"this machine gives no namespaces to the sandbox ({why})")
+    if running_as_root():
+        return "users"
+    raise IsolationError(
+        f"no isolation is available: not root, and no user namespaces ({why}). Grade as root (in a container if "
+        "you like), or pass --isolation none to grade with the submissions running as you (they could then read "
+        "and write your files)")
+
+
+def describe_isolation(isolation: str) -> str:
+    """One sentence for the grader's output: who runs the submissions and what they can see."""
+    if isolation == "namespaces":
+        who = (f"the unprivileged user {default_user()} (one per student graded at once)" if running_as_root()
+               else "your user without any privilege")
+        return (f"grading with namespaces: each notebook runs as {who} in mount, PID, IPC and network namespaces "
+                "of its own, seeing course_lib and its packages read-only and a private temporary area only")
+    if isolation == "users":
+        return (f"grading without namespaces (this machine does not give them): each student runs as an unprivileged "
+                f"user of its own ({default_user()}), one student at a time, and everything that user owns is "
+                "removed after it")
+    return ("grading without isolation: the submissions run as your own user. They cannot change their grades, "
+            "but can read and write what you can")
+
+
+# --------------------------------------------------------------------------------------------------
+# Users
+# --------------------------------------------------------------------------------------------------
 
 _LOCKS = pathlib.Path("/tmp/course_lib-sandbox-users")
 
@@ -80,8 +228,8 @@ def _lock(name: str):
     import fcntl
 
     _LOCKS.mkdir(mode=0o700, exist_ok=True)
-    info = _LOCKS.stat()
-    if info.st_uid != 0 or info.st_mode & 0o077:
+    info = _LOCKS.lstat()
+    if info.st_uid != 0 or info.st_mode & 0o077 or not _LOCKS.is_dir() or _LOCKS.is_symlink():
         raise SandboxError(f"{_LOCKS} is not root's alone: remove it and grade again")
     handle = open(_LOCKS / f"{name}.lock", "w")
     try:
@@ -126,7 +274,7 @@ def sandbox_users(count: int, base: str = DEFAULT_USER) -> list[SandboxUser]:
             raise SandboxError(f"the sandbox user {name} is root: choose an unprivileged user")
         _HELD[name] = lock
         user = SandboxUser(name, entry.pw_uid, entry.pw_gid)
-        sweep_user(user)                 # whatever an earlier grader that crashed left running as this user
+        sweep_user(user, files=True)     # whatever an earlier grader that crashed left running or lying as this user
         users.append(user)
     return users
 
@@ -142,14 +290,109 @@ def release_users(users) -> None:
             handle.close()
 
 
-def sweep_user(user: SandboxUser) -> int:
-    """Kill every process `user` still runs (as root), wherever it went; returns how many there were."""
-    done = subprocess.run([sys.executable, WARDEN, "--sweep-uid", str(user.uid)], capture_output=True, text=True,
-                          timeout=60)
+_SHARED: dict = {}
+# File systems no user writes files to (or that are not files at all).
+_NOT_FILES = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs", "debugfs", "tracefs", "pstore", "bpf",
+              "configfs", "fusectl", "binfmt_misc", "autofs", "nsfs", "efivarfs", "rpc_pipefs", "nfsd", "selinuxfs"}
+
+
+def shared_dirs() -> list[str]:
+    """Every folder any user may write into (world-writable and reachable: /tmp, /var/tmp, /dev/shm,
+    /dev/mqueue, /run/lock, ...), found once per grader by walking every mounted file system. What a sandbox user
+    writes outside its own folder can only be below one of these."""
+    if "dirs" in _SHARED:
+        return _SHARED["dirs"]
+    points = []
     try:
-        return int(done.stdout.split()[-1])
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] not in _NOT_FILES:
+                    points.append(fields[1].replace("\\040", " "))
+    except OSError:
+        points = ["/", "/tmp", "/var/tmp", "/dev/shm"]
+    found, seen = [], set()
+    for point in sorted(set(points)):
+        try:
+            device = os.lstat(point).st_dev
+        except OSError:
+            continue
+        todo = [point]
+        while todo:
+            folder = todo.pop()
+            try:
+                info = os.lstat(folder)
+            except OSError:
+                continue
+            if info.st_dev != device or (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            if not info.st_mode & 0o001:          # no user but its owner and group may enter it
+                continue
+            if info.st_mode & 0o002:
+                found.append(folder)
+                continue                          # all below it is swept as a whole
+            try:
+                with os.scandir(folder) as entries:
+                    todo.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+    _SHARED["dirs"] = sorted(set(found))
+    return _SHARED["dirs"]
+
+
+def sweep_user(user: SandboxUser, files: bool = False, skip=()) -> tuple[int, int, int]:
+    """Kill every process `user` still runs (as root), wherever it went; with `files`, also remove its System V
+    IPC objects and every file it owns in the folders any user may write (`shared_dirs`). Returns how many
+    processes, IPC objects and files (top-most entries) there were."""
+    folders = shared_dirs() if files else []
+    skip = [*skip, *(str(p) for p in _MIRROR.values())]
+    lines = "".join(f"{f}\n" for f in folders) + "".join(f"-{s}\n" for s in skip)
+    done = subprocess.run([sys.executable, WARDEN, "--sweep-uid", str(user.uid)] + (["--folders"] if files else []),
+                          input=lines if files else "", capture_output=True, text=True, timeout=300)
+    try:
+        counts = [int(x) for x in done.stdout.split()[1:4]]
+        return tuple(counts + [0] * (3 - len(counts)))
     except (IndexError, ValueError):
-        raise SandboxError(f"could not stop the processes of {user.name}: {done.stderr.strip()[-300:]}") from None
+        raise SandboxError(f"could not clean up after {user.name}: {done.stderr.strip()[-300:]}") from None
+
+
+def exposed_to(user: SandboxUser, paths) -> list[str]:
+    """Which of `paths` (files or folders) `user` could open: tried for real by a child that becomes that user."""
+    paths = [str(p) for p in paths]
+    if not paths:
+        return []
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setresgid(user.gid, user.gid, user.gid)
+            os.setresuid(user.uid, user.uid, user.uid)
+            out = []
+            for index, path in enumerate(paths):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                    os.close(fd)
+                    out.append(str(index))
+                except OSError:
+                    pass
+            os.write(write, " ".join(out).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 65536):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    return [paths[int(i)] for i in data.split()]
+
+
+# --------------------------------------------------------------------------------------------------
+# What the sandbox runs: the interpreter, the packages
+# --------------------------------------------------------------------------------------------------
 
 
 def _open_to_others(path: pathlib.Path, need: int) -> bool:
@@ -164,19 +407,109 @@ def _open_to_others(path: pathlib.Path, need: int) -> bool:
         return False
 
 
+def _package() -> pathlib.Path:
+    import course_lib
+
+    return pathlib.Path(course_lib.__file__).resolve().parent
+
+
+def _site_dirs() -> list[pathlib.Path]:
+    """The folders the judge's Python imports installed packages from (its site-packages, and any such folder
+    on its path)."""
+    import site
+
+    found = [pathlib.Path(p) for p in site.getsitepackages()]
+    found += [pathlib.Path(p) for p in sys.path if p and ("site-packages" in p or "dist-packages" in p)]
+    out = []
+    for folder in found:
+        if folder.is_dir() and folder not in out:
+            out.append(folder)
+    return out
+
+
+def checkout_root() -> pathlib.Path | None:
+    """The instructor's checkout course_lib is imported from (its parent, when it holds the repository's files),
+    or None for an installed package."""
+    return _as_checkout(_package().parent)
+
+
+def _as_checkout(parent: pathlib.Path) -> pathlib.Path | None:
+    if any((parent / marker).exists() for marker in (".git", "pyproject.toml", "notebooks")) and \
+            "site-packages" not in parent.parts and "dist-packages" not in parent.parts:
+        return parent
+    return None
+
+
+def checkouts() -> list[pathlib.Path]:
+    """Every checkout of the course this Python knows: the one course_lib is imported from, and those an
+    editable install in its site folders points to (a sandbox that reads the site folders learns their paths)."""
+    found = [c for c in [checkout_root()] if c is not None]
+    for site in _site_dirs():
+        for path in list(site.glob("__editable__*course_lib*")) + list(site.glob("course_lib*.egg-link")) + \
+                list(site.glob("*.pth")):
+            try:
+                text = path.read_text(errors="replace")[:100_000]
+            except OSError:
+                continue
+            targets = re.findall(r"""['"]course_lib['"]\s*:\s*['"]([^'"]+)['"]""", text)
+            targets += [line.strip() for line in text.splitlines() if line.strip().startswith("/")]
+            for target in targets:
+                target = pathlib.Path(target)
+                for candidate in (target.parent, target) if target.name == "course_lib" else (target,):
+                    checkout = _as_checkout(candidate) if (candidate / "course_lib").is_dir() else None
+                    if checkout is not None and checkout not in found:
+                        found.append(checkout)
+    return found
+
+
+# What a checkout holds that no submission may read: the solved notebooks and the tests (planted bugs and their
+# fixes, the rubric's cases).
+SECRET_FOLDERS = ("notebooks", "tests")
+
+
+def namespace_binds() -> list[str]:
+    """The host paths a namespaced sandbox sees (read-only, at their own paths): the system's folders, Python,
+    the site folders and course_lib's package folder. Nothing of a checkout but course_lib itself."""
+    import torch
+
+    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
+             "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/fonts", "/sys/devices/system/cpu"]
+    paths += [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix]
+    paths += [str(p) for p in _site_dirs()]
+    paths += [str(_package()), str(pathlib.Path(torch.__file__).resolve().parent)]
+    executable = pathlib.Path(sys.executable)
+    paths += [str(executable.parent), str(executable.resolve().parent.parent)]
+    chosen = []
+    for path in sorted({os.path.abspath(p) for p in paths if p and os.path.lexists(p)}, key=lambda p: (len(p), p)):
+        if path == "/" or any(path == c or path.startswith(c.rstrip("/") + "/") for c in chosen):
+            continue
+        chosen.append(path)
+    return chosen
+
+
+def _python_environment(isolation: str, user: SandboxUser | None) -> tuple[str, dict]:
+    """The interpreter the sandbox runs and the environment it adds."""
+    if isolation == "namespaces":
+        package = _package()
+        paths = [str(package.parent)] + [str(p) for p in _site_dirs()]
+        return sys.executable, {"PYTHONPATH": os.pathsep.join(paths)}
+    if isolation == "users":
+        return sandbox_python(user)
+    return os.environ.get("COURSE_LIB_SANDBOX_PYTHON") or sys.executable, {}
+
+
 def sandbox_python(user: SandboxUser | None) -> tuple[str, dict]:
-    """The interpreter the sandbox runs, and the environment it needs: this one, unless `user` cannot run it.
+    """For isolation 'users': the interpreter the sandbox user can run, and the PYTHONPATH that finds course_lib
+    (always through a root-owned mirror of the package alone, never the checkout around it) and torch.
 
     A Python installed in root's home (pyenv in /root, common in containers) cannot be run by another user.
-    Then a system Python of the same version (/usr/bin/python3.X, same ABI) runs the kernel, finding torch and
-    course_lib where this one does (PYTHONPATH). COURSE_LIB_SANDBOX_PYTHON names one explicitly.
+    Then a system Python of the same version (/usr/bin/python3.X, same ABI) runs the kernel, finding the packages
+    where this one does. COURSE_LIB_SANDBOX_PYTHON names one explicitly.
 
     Raises:
         SandboxStartError: no interpreter the sandbox user can run, or course_lib / torch it cannot read.
     """
-    import site
-
-    import course_lib
+    import torch
 
     here = pathlib.Path(sys.executable)
     chosen = os.environ.get("COURSE_LIB_SANDBOX_PYTHON")
@@ -190,62 +523,98 @@ def sandbox_python(user: SandboxUser | None) -> tuple[str, dict]:
             f"the sandbox user {user.name} cannot run {here} (a folder above it is closed to other users, e.g. /root), "
             f"and there is no /usr/bin/python{version}: install Python {version} where every user can run it, or name "
             "one with COURSE_LIB_SANDBOX_PYTHON")
-    package = pathlib.Path(course_lib.__file__).resolve().parent
-    import torch
-
     torch_dir = pathlib.Path(torch.__file__).resolve().parent
-    sites = [pathlib.Path(p) for p in site.getsitepackages() if pathlib.Path(p).is_dir()]
-    if not all(_open_to_others(needed, 0o005) for needed in (package, torch_dir)):
-        # A folder above the install is closed to other users (a clone in a mktemp folder, a venv in /root):
-        # the kernel reads a mirror of it instead, made of hard links in a folder every user can reach.
-        package, torch_dir, sites = _mirror_install(package, torch_dir, sites)
-        for needed in (package, torch_dir):
-            if not _open_to_others(needed, 0o005):
-                raise SandboxStartError(f"the sandbox user {user.name} cannot read {needed}: install the course's "
-                                        "packages where every user can read them (e.g. a virtual environment in /opt)")
-    elif python == str(here):
-        return python, {}
-    paths = [str(package.parent)] + [str(p) for p in sites]
-    return python, {"PYTHONPATH": os.pathsep.join(paths)}
+    sites = _site_dirs()
+    if not _open_to_others(torch_dir, 0o005):
+        sites = _mirror_sites(sites)
+        torch_dir = next((site / torch_dir.relative_to(folder) for folder, site in zip(_site_dirs(), sites)
+                          if torch_dir.is_relative_to(folder)), torch_dir)
+    package = _mirror_package()
+    for needed in (package, torch_dir):
+        if not _open_to_others(needed, 0o005):
+            raise SandboxStartError(f"the sandbox user {user.name} cannot read {needed}: install the course's "
+                                    "packages where every user can read them (e.g. a virtual environment in /opt)")
+    return python, {"PYTHONPATH": os.pathsep.join([str(package.parent)] + [str(p) for p in sites])}
 
 
 _MIRROR: dict = {}
+_MIRROR_LOCK = threading.Lock()       # notebooks start their sandboxes from several threads at once
 
 
-def _mirror_install(package: pathlib.Path, torch_dir: pathlib.Path, sites: list) -> tuple:
-    """A read-only view of course_lib and the site-packages folders for the sandbox user, made once per grader.
-
-    Hard links (no bytes copied: about a second for a 1.5 GB environment) in a root-owned folder under the
-    system's temporary folder, removed when the grader exits. The files keep their owner and mode, so the
-    sandbox user can read them and write none. Returns the mirrored package, torch folder and site folders.
-
-    Raises:
-        SandboxStartError: the links cannot be made (the install is on another file system than /tmp).
-    """
+def _mirror_root() -> pathlib.Path:
     import atexit
     import tempfile
 
     if "root" not in _MIRROR:
         root = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-sandbox-install-"))
         atexit.register(shutil.rmtree, root, True)
+        root.chmod(0o755)
+        _MIRROR["root"] = root
+    return _MIRROR["root"]
+
+
+def _link_or_copy(source, target):
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _mirror_package() -> pathlib.Path:
+    """course_lib alone, as hard links (or copies across file systems) in a root-owned folder every user can
+    read: the sandbox's PYTHONPATH then holds no folder of the checkout (its notebooks, its tests)."""
+    package = _package()
+    with _MIRROR_LOCK:
+        return _mirror_package_locked(package)
+
+
+def _mirror_package_locked(package) -> pathlib.Path:
+    target = _mirror_root() / "src" / package.name
+    if "package" not in _MIRROR:
         try:
-            shutil.copytree(package, root / "src" / package.name, symlinks=True, copy_function=os.link)
+            shutil.copytree(package, target, symlinks=True, copy_function=_link_or_copy,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        except OSError as exc:
+            raise SandboxStartError(f"could not make a copy of course_lib the sandbox user may read ({exc})") from None
+        (_mirror_root() / "src").chmod(0o755)
+        _MIRROR["package"] = target
+    return target
+
+
+def _mirror_sites(sites) -> list[pathlib.Path]:
+    """A read-only view of the site-packages folders for the sandbox user, made once per grader: hard links (no
+    bytes copied: about a second for a 1.5 GB environment). The files keep their owner and mode, so the sandbox
+    user can read them and write none.
+
+    Raises:
+        SandboxStartError: the links cannot be made (the install is on another file system than /tmp).
+    """
+    with _MIRROR_LOCK:
+        return _mirror_sites_locked(sites)
+
+
+def _mirror_sites_locked(sites) -> list[pathlib.Path]:
+    if "sites" not in _MIRROR:
+        root = _mirror_root()
+        try:
             for index, folder in enumerate(sites):
                 shutil.copytree(folder, root / f"site{index}", symlinks=True, copy_function=os.link)
         except OSError as exc:
-            shutil.rmtree(root, ignore_errors=True)
-            raise SandboxStartError(f"the sandbox user cannot read {package} or {torch_dir} (a folder above them is "
-                                    f"closed to other users), and a mirror of hard links failed ({exc}): install the "
-                                    "course's packages where every user can read them (e.g. a virtual environment "
-                                    "in /opt)") from None
-        for folder in (root, root / "src"):
-            folder.chmod(0o755)
-        _MIRROR["root"] = root
-    root = _MIRROR["root"]
-    mirrored_sites = [root / f"site{index}" for index in range(len(sites))]
-    mirrored_torch = next((site / torch_dir.relative_to(folder) for folder, site in zip(sites, mirrored_sites)
-                           if torch_dir.is_relative_to(folder)), torch_dir)
-    return root / "src" / package.name, mirrored_torch, mirrored_sites
+            raise SandboxStartError(f"the sandbox user cannot read {sites[0]} (a folder above it is closed to other "
+                                    f"users), and a mirror of hard links failed ({exc}): install the course's packages "
+                                    "where every user can read them (e.g. a virtual environment in /opt)") from None
+        _MIRROR["sites"] = [root / f"site{index}" for index in range(len(sites))]
+    return _MIRROR["sites"]
+
+
+def mirror_folders() -> list[pathlib.Path]:
+    """The mirror's folder, if one was made (a sweep need not look inside it)."""
+    return [_MIRROR["root"]] if "root" in _MIRROR else []
+
+
+# --------------------------------------------------------------------------------------------------
+# One sandbox
+# --------------------------------------------------------------------------------------------------
 
 
 def _readable(fds, timeout):
@@ -253,59 +622,98 @@ def _readable(fds, timeout):
     return ready
 
 
-def _read_line(stream, timeout: float) -> str:
-    """One line from the warden, read byte by byte (no buffer that select could not see)."""
-    line, deadline = b"", time.monotonic() + timeout
-    while not line.endswith(b"\n"):
-        if not _readable([stream], deadline - time.monotonic()):
-            break
-        byte = os.read(stream.fileno(), 1)
-        if not byte:
-            break
-        line += byte
-    return line.decode(errors="replace")
+_KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
+_NPROC_FACTOR = 4
 
 
 class Sandbox:
     """One kernel below one warden; see the module docstring. Use `Sandbox.start`."""
 
-    def __init__(self, warden, kernel_pid, to_kernel, from_kernel, log_path):
-        self._warden, self.kernel_pid = warden, kernel_pid
+    def __init__(self, warden, to_kernel, from_kernel, log_path, limits):
+        self._warden, self.kernel_pid = warden, None
         self._to, self._from, self._log = to_kernel, from_kernel, log_path
+        self.limits = limits
         self.killed = 0
+        self.limit_hit: str | None = None      # "memory 4 GiB", "disk 1 GiB", "processes 1024": what ended it
+        self.held: dict = {}                   # how each limit is held (cgroup, tmpfs, rlimit and polling)
         self._stopped = False
+        self._lines: list = []
+        self._partial = b""
+        self._eof = False
 
     @classmethod
-    def start(cls, workdir, log_path, user: SandboxUser | None = None, startup_timeout: float = 120.0) -> "Sandbox":
-        """Start a warden and, below it, the kernel in `workdir` (as `user` when given); wait until it is ready.
+    def start(cls, workdir, log_path, user: SandboxUser | None = None, *, isolation: str = "none",
+              limits: Limits | None = None, notebook: dict | None = None,
+              startup_timeout: float = 120.0) -> "Sandbox":
+        """Start a warden and, below it, the kernel; wait until it is ready.
+
+        Args:
+            workdir: with 'namespaces', a folder of root's alone where the sandbox's mount points are made (the
+                notebook's copy may lie there); else the sandbox's own folder (its home), owned by `user`.
+            log_path: where the kernel's own output goes (a file of root's alone).
+            user: the unprivileged user it runs as (root only).
+            notebook: {'source': the copy's path, 'name': its file name}: put in the sandbox's home.
 
         Raises:
             SandboxStartError: it did not start (the message has the end of its log).
         """
-        python, environment = sandbox_python(user)
+        import json
+
+        limits = limits or Limits()
+        python, environment = _python_environment(isolation, user)
         to_read, to_write = os.pipe()        # judge -> kernel
         from_read, from_write = os.pipe()    # kernel -> judge
-        command = [sys.executable, WARDEN, "--cwd", str(workdir), "--log", str(log_path),
-                   "--keep-fds", f"{to_read},{from_write}"]
-        if user is not None:
-            command += ["--uid", str(user.uid), "--gid", str(user.gid), "--nproc", str(NPROC_LIMIT)]
-        command += ["--", python, "-m", "course_lib.grade.kernel", "--in", str(to_read), "--out", str(from_write)]
+        namespaces = isolation == "namespaces"
+        home = HOME if namespaces else str(workdir)
+        env = {key: value for key, value in os.environ.items()
+               if key in _KEEP_ENV or key.startswith("COURSE_LIB_SANDBOX_")}
+        if isolation == "none" and "PYTHONPATH" in os.environ:
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        env.update(environment)
+        env.update(HOME=home, TMPDIR="/tmp" if namespaces else os.path.join(home, "tmp"), MPLBACKEND="Agg",
+                   MPLCONFIGDIR=os.path.join(home, ".mpl"), IPYTHONDIR=os.path.join(home, ".ipython"),
+                   PYTHONDONTWRITEBYTECODE="1", USER="sandbox", LOGNAME="sandbox")
+        config = {"isolation": isolation, "command": [python, "-m", "course_lib.grade.kernel", "--in", str(to_read),
+                                                      "--out", str(from_write)],
+                  "keep_fds": [to_read, from_write], "env": env, "cwd": home, "log": str(log_path),
+                  "memory": limits.memory, "disk": limits.disk, "processes": limits.processes,
+                  "uid": user.uid if user else None, "gid": user.gid if user else None,
+                  "user_name": user.name if user else None, "cgroups": running_as_root() and namespaces}
+        if namespaces:
+            config.update(stage=str(workdir), binds=namespace_binds(), notebook=notebook,
+                          userns=not running_as_root())
+            # The user's process rlimit counts all its processes: a backstop well above the sandbox's own limit,
+            # which the cgroup (or the warden's count) holds per sandbox.
+            if running_as_root():
+                config.update(nproc=_NPROC_FACTOR * limits.processes)
+            else:
+                config.update(uid=os.getuid(), gid=os.getgid(),
+                              nproc=_user_processes() + _NPROC_FACTOR * limits.processes)
+        elif isolation == "users":
+            config.update(shared_dirs=shared_dirs(), skip_dirs=[str(p) for p in mirror_folders()],
+                          nproc=_NPROC_FACTOR * limits.processes)
         try:
-            warden = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      pass_fds=(to_read, from_write), env={**os.environ, **environment})
+            warden = subprocess.Popen([sys.executable, WARDEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, pass_fds=(to_read, from_write))
         finally:
             os.close(to_read)
             os.close(from_write)
-        box = cls(warden, None, to_write, from_read, log_path)
+        box = cls(warden, to_write, from_read, log_path, limits)
         try:
-            line = _read_line(warden.stdout, 30).split()
-            if line[:1] != ["started"]:
-                raise SandboxError("the warden could not start the kernel: " + warden.stderr.read().decode()[-500:])
-            box.kernel_pid = int(line[1])
+            warden.stdin.write(json.dumps(config).encode() + b"\n")
+            warden.stdin.flush()
+            line = box._next_line(60)
+            if not line.startswith("started "):
+                reason = line[len("failed "):] if line.startswith("failed ") else (line or "no answer")
+                said = (warden.stderr.read1(2000).decode(errors="replace")[-500:]
+                        if _readable([warden.stderr], 0.5) else "")
+                raise SandboxError(f"the warden could not start the kernel: {reason} {said}".strip())
+            started = json.loads(line[len("started "):])
+            box.kernel_pid, box.held = int(started["pid"]), started.get("limits", {})
             hello = box._receive(startup_timeout)
             if hello != {"ready": True}:
                 raise SandboxError(f"the kernel did not say it was ready: {hello!r}"[:300])
-        except (SandboxError, channel.ChannelError, OSError, ValueError) as exc:
+        except (SandboxError, channel.ChannelError, OSError, ValueError, KeyError) as exc:
             box.stop()
             raise SandboxStartError(f"could not start the sandbox: {exc}. Its log ends: {box.log_tail()}") from None
         return box
@@ -317,8 +725,33 @@ class Sandbox:
             return ""
         return text.strip()
 
+    # -- the warden's lines --------------------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> None:
+        """Read what the warden has said (waiting up to `timeout` for something) into lines."""
+        if self._eof:
+            return
+        if not _readable([self._warden.stdout], timeout):
+            return
+        chunk = os.read(self._warden.stdout.fileno(), 4096)
+        if not chunk:
+            self._eof = True
+        self._partial += chunk
+        *lines, self._partial = self._partial.split(b"\n")
+        for line in lines:
+            text = line.decode(errors="replace").strip()
+            if text.startswith("limit ") and self.limit_hit is None:
+                self.limit_hit = text[len("limit "):]
+            self._lines.append(text)
+
+    def _next_line(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while not self._lines and not self._eof and time.monotonic() < deadline:
+            self._pump(deadline - time.monotonic())
+        return self._lines.pop(0) if self._lines else ""
+
     def _receive(self, timeout):
-        """The kernel's next frame; SandboxDied when the warden reports the kernel gone first."""
+        """The kernel's next frame; SandboxDied when the warden reports the kernel gone (or a limit) first."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -329,24 +762,57 @@ class Sandbox:
                 try:
                     return channel.receive(self._from, timeout=max(1.0, deadline - time.monotonic()))
                 except channel.ChannelClosed:
-                    raise SandboxDied("the kernel ended") from None
+                    self._pump(0.5)
+                    raise SandboxDied(self.why_ended()) from None
                 except channel.ChannelTimeout:
                     raise SandboxTimeout(f"no complete answer within {timeout:g} s") from None
             elif ready:
-                raise SandboxDied("the kernel ended")
+                self._pump(0)
+                self._lines = [line for line in self._lines if line != "ok"]
+                if self.limit_hit or self._eof or any(line.startswith("clean") for line in self._lines):
+                    raise SandboxDied(self.why_ended())
+
+    def check_limits(self, timeout: float = 10.0) -> str | None:
+        """Ask the warden whether the sandbox has reached a limit by now (after a cell or a check returned). On a
+        hit the warden has stopped the sandbox: returns what was reached ('memory 4 GiB'), else None."""
+        if self._stopped or self.limit_hit:
+            return self.limit_hit
+        try:
+            self._warden.stdin.write(b"check\n")
+            self._warden.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            return self.limit_hit
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._eof:
+            while self._lines:
+                line = self._lines.pop(0)
+                if line == "ok":
+                    return None
+                if line.startswith("limit ") or line.startswith("clean"):
+                    if line.startswith("clean"):
+                        self._lines.insert(0, line)
+                    return self.limit_hit
+            self._pump(deadline - time.monotonic())
+        return self.limit_hit
+
+    def why_ended(self) -> str:
+        if self.limit_hit:
+            return f"it reached the sandbox's {limit_words(self.limit_hit)} and was stopped"
+        return "the kernel ended"
 
     def request(self, message: dict, timeout: float):
         """Send `message` to the kernel and return its reply (data, not yet trusted).
 
         Raises:
-            SandboxDied: the kernel ended before replying.
+            SandboxDied: the kernel ended (or reached a limit) before replying.
             SandboxTimeout: no reply within `timeout` seconds (the kernel is left as it is: interrupt or stop it).
             SandboxError: the reply broke the protocol.
         """
         try:
             channel.send(self._to, message)
         except (BrokenPipeError, OSError):
-            raise SandboxDied("the kernel ended") from None
+            self._pump(0.5)
+            raise SandboxDied(self.why_ended()) from None
         try:
             return self._receive(timeout)
         except channel.ChannelError as exc:
@@ -384,14 +850,9 @@ class Sandbox:
             warden.stdin.close()
         except (BrokenPipeError, OSError, ValueError):
             pass
-        report = b""
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and b"clean" not in report:
-            if _readable([warden.stdout], deadline - time.monotonic()):
-                chunk = os.read(warden.stdout.fileno(), 256)
-                if not chunk:
-                    break
-                report += chunk
+        while time.monotonic() < deadline and not self._eof and not any(l.startswith("clean") for l in self._lines):
+            self._pump(deadline - time.monotonic())
         try:
             warden.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -399,6 +860,29 @@ class Sandbox:
             warden.wait()
         for stream in (warden.stdout, warden.stderr):
             stream.close()
-        words = report.decode(errors="replace").split()
-        self.killed = int(words[words.index("clean") + 1]) if "clean" in words else -1
+        clean = next((l for l in self._lines if l.startswith("clean")), "")
+        words = clean.split()
+        self.killed = int(words[1]) if len(words) > 1 and words[1].isdigit() else -1
         return self.killed
+
+
+def limit_words(hit: str) -> str:
+    """'memory 4 GiB' -> 'memory limit (4 GiB)'; 'processes 1024' -> 'limit of 1024 processes and threads'."""
+    kind, _, value = hit.partition(" ")
+    if kind == "processes":
+        return f"limit of {value} processes and threads"
+    return f"{kind} limit ({value})" if value else f"{kind} limit"
+
+
+def _user_processes() -> int:
+    """How many processes and threads this user runs now (an rlimit on processes counts them all)."""
+    uid, count = os.getuid(), 0
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        uids = next((l.split()[1] for l in text.splitlines() if l.startswith("Uid:")), None)
+        if uids == str(uid):
+            count += int(next((l.split()[1] for l in text.splitlines() if l.startswith("Threads:")), "1"))
+    return count
