@@ -215,12 +215,17 @@ def test_the_command_prints_a_table_and_writes_one_gradescope_test_per_rubric_li
     assert done.returncode == cli.EXIT_OK, done.stderr
     cases = len(registry.get("ring_all_gather").cases(hidden=True))
     assert f"submission.ipynb  ring_all_gather   10/10  all {cases} cases passed" in done.stdout
-    assert done.stdout.rstrip().splitlines()[-1].split() == ["total", "10/10"]
+    # Its checks make it notebook 05's: graded on all of 05, so ring (not written here) counts 0 of its 5.
+    assert "submission.ipynb  ring                0/5" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1].split() == ["total", "10/15"]
     results = json.loads(out.read_text())
     assert results["score"] == 10.0
     lines = registry.get("ring_all_gather").rubric
-    assert [t["name"] for t in results["tests"]] == [f"submission: ring_all_gather: {line.key}" for line in lines]
-    assert [(t["score"], t["max_score"]) for t in results["tests"]] == [(line.points, line.points) for line in lines]
+    ring = registry.get("ring").rubric
+    assert [t["name"] for t in results["tests"]] == [f"submission: ring_all_gather: {line.key}" for line in lines] + \
+        [f"submission: ring: {line.key}" for line in ring]
+    assert [(t["score"], t["max_score"]) for t in results["tests"]] == [(line.points, line.points) for line in lines] + \
+        [(0, line.points) for line in ring]
     assert results["tests"][0]["output"].startswith("met: " + lines[0].text)
     assert "ring_all_gather: 10/10 points" in results["tests"][0]["output"]
 

@@ -6,7 +6,12 @@
 Every notebook is a task. Up to `jobs` run at a time (by default one per core: a notebook's checks keep a
 core busy). As root, each student being graded gets a sandbox user of their own for as long as any of their
 notebooks runs (their notebooks run in parallel under that user; another student's never do), and when the
-student's last notebook is done, whatever that user still runs is killed.
+student's last notebook is done, whatever that user still runs is killed. Without namespaces (isolation
+'users') students are graded one at a time, and everything the user owns is removed before the next.
+
+Files are taken as given: a folder is walked without following links, and a link, a device, a pipe or a
+socket among the notebooks is refused with a note (never opened). What each notebook is graded on comes from
+`assign.plan_submission`: the submission's assignment, one copy per exercise.
 """
 
 from __future__ import annotations
@@ -14,15 +19,17 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import stat
 import tempfile
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from course_lib.grade import judge
-from course_lib.grade.sandbox import DEFAULT_USER, release_users, running_as_root, sandbox_users, sweep_user
+from course_lib.grade import assign, judge
+from course_lib.grade.notebook import safe_name
+from course_lib.grade.sandbox import (SECRET_FOLDERS, IsolationError, Limits, checkouts, choose_isolation,
+                                      default_user, exposed_to, release_users, running_as_root, sandbox_users,
+                                      sweep_user)
 
 __all__ = ["Submission", "SubmissionGrade", "collect_class", "collect_nbgrader", "collect_files", "grade_submissions",
            "default_jobs"]
@@ -30,33 +37,42 @@ __all__ = ["Submission", "SubmissionGrade", "collect_class", "collect_nbgrader",
 
 @dataclass
 class Submission:
-    """One student's notebooks, or `problem` when there is nothing to grade (a student folder without one)."""
+    """One student's notebooks, or `problem` when there is nothing to grade (a student folder without one).
+
+    notebooks: the files to grade (refused ones, links and devices, included: they are planned, never opened).
+    notes: what the collection refused or left out, for the learner.
+    """
 
     name: str
     notebooks: list
     problem: str = ""
+    notes: list = field(default_factory=list)
+    root: pathlib.Path | None = None
 
 
 @dataclass
 class SubmissionGrade:
     name: str
-    notebooks: list = field(default_factory=list)      # NotebookGrade per notebook
+    notebooks: list = field(default_factory=list)      # NotebookGrade per notebook (and one per missing exercise)
     problem: str = ""
-
-    @property
-    def score(self) -> float:
-        return round(sum(g.score for g in self.notebooks), 2)
+    notes: list = field(default_factory=list)          # about the submission as a whole
+    assignments: list = field(default_factory=list)    # what it was graded against
 
     @property
     def max_score(self) -> float:
         return round(sum(g.max_score for g in self.notebooks), 2)
 
     @property
+    def score(self) -> float:
+        """The notebooks' points, never more than the total possible."""
+        return min(round(sum(g.score for g in self.notebooks), 2), self.max_score)
+
+    @property
     def status(self) -> str:
         """'graded' when every notebook was read and graded; else what went wrong first."""
         if self.problem:
             return "missing"
-        bad = [g.status for g in self.notebooks if g.status != "graded"]
+        bad = [g.status for g in self.notebooks if g.status not in ("graded", "skipped")]
         return bad[0] if bad else "graded"
 
 
@@ -68,29 +84,69 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _notebooks_below(folder: pathlib.Path) -> list:
-    return sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts and p.is_file())
+def _is_notebook_name(name: str) -> bool:
+    return name.endswith(".ipynb")
+
+
+def _notebooks_below(folder: pathlib.Path) -> tuple[list, list]:
+    """(the notebooks below `folder`, notes on what was refused), walking without following any link. A link or
+    a non-regular file named *.ipynb is kept in the list (it is refused when graded, with a note); a link to a
+    folder is not entered, and noted."""
+    found, notes = [], []
+    for top, folders, files in os.walk(folder, followlinks=False):
+        top = pathlib.Path(top)
+        folders.sort()
+        for name in list(folders):
+            path = top / name
+            if name == ".ipynb_checkpoints" or name.startswith("."):
+                folders.remove(name)
+            elif path.is_symlink():
+                folders.remove(name)
+                notes.append(f"{safe_name(path.relative_to(folder))} is a symbolic link to a folder: not followed "
+                             "(submit the notebooks themselves)")
+        for name in sorted(files):
+            if _is_notebook_name(name):
+                found.append(top / name)
+    return found, notes
 
 
 def collect_files(paths, name: str = "submission") -> Submission:
     """The given files (or the notebooks in the given folders) as one submission."""
-    notebooks = []
+    notebooks, notes = [], []
     for path in map(pathlib.Path, paths):
-        notebooks += _notebooks_below(path) if path.is_dir() else [path]
-    return Submission(name, notebooks, "" if notebooks else "no notebook to grade")
+        if path.is_dir() and not path.is_symlink():
+            found, refused = _notebooks_below(path)
+            notebooks += found
+            notes += refused
+        else:
+            notebooks.append(path)
+    root = None
+    folders = [p for p in map(pathlib.Path, paths) if p.is_dir() and not p.is_symlink()]
+    if len(folders) == 1 and len(list(paths)) == 1:
+        root = folders[0]
+    return Submission(name, notebooks, "" if notebooks else "no notebook to grade", notes, root)
 
 
 def collect_class(folder) -> list[Submission]:
     """One submission per student: every folder in `folder` (its notebooks, at any depth), and every notebook
-    lying directly in `folder` (named after the file)."""
+    lying directly in `folder` (named after the file). A student folder that is a link is refused, not entered."""
     folder = pathlib.Path(folder)
     submissions = []
     for entry in sorted(folder.iterdir()):
-        if entry.is_dir() and not entry.name.startswith("."):
-            notebooks = _notebooks_below(entry)
-            submissions.append(Submission(entry.name, notebooks, "" if notebooks else f"no notebook in {entry}"))
-        elif entry.suffix == ".ipynb":
-            submissions.append(Submission(entry.stem, [entry]))
+        if entry.name.startswith("."):
+            continue
+        if entry.is_symlink():
+            if _is_notebook_name(entry.name):
+                submissions.append(Submission(entry.stem, [entry], root=folder))
+            else:
+                submissions.append(Submission(entry.name, [], f"{safe_name(entry.name)} is a symbolic link: not "
+                                                               "followed (each student's folder must be a folder)"))
+        elif entry.is_dir():
+            notebooks, notes = _notebooks_below(entry)
+            submissions.append(Submission(entry.name, notebooks, "" if notebooks else f"no notebook in {entry}", notes,
+                                          entry))
+        elif _is_notebook_name(entry.name):
+            submissions.append(Submission(entry.stem, [entry], root=folder))
     return submissions
 
 
@@ -100,27 +156,35 @@ def collect_nbgrader(course, assignment: str) -> list[Submission]:
     submissions = []
     for student in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         folder = student / assignment
-        notebooks = _notebooks_below(folder) if folder.is_dir() else []
-        submissions.append(Submission(student.name, notebooks,
-                                      "" if notebooks else f"no notebook in {folder}"))
+        if student.is_symlink() or folder.is_symlink():
+            submissions.append(Submission(student.name, [], f"{safe_name(folder)} is a symbolic link: not followed"))
+            continue
+        notebooks, notes = _notebooks_below(folder) if folder.is_dir() else ([], [])
+        submissions.append(Submission(student.name, notebooks, "" if notebooks else f"no notebook in {folder}", notes,
+                                      folder))
     return submissions
 
 
-def _others_can_read(path: pathlib.Path) -> bool:
-    try:
-        return bool(path.stat().st_mode & stat.S_IROTH)
-    except OSError:
-        return False
+def refuse_exposure(user, submissions, extra=()) -> None:
+    """Isolation 'users': the sandbox user must not be able to open the instructor's checkout or any submission.
 
-
-def warn_about_exposure(submissions, stream) -> None:
-    """As root, say so when other users (the sandbox's among them) can read the submissions: a submission
-    could then read another student's notebook while it runs."""
-    exposed = [p for s in submissions for p in s.notebooks if _others_can_read(p)]
+    Raises:
+        IsolationError: it could, with the paths and what to do.
+    """
+    paths = [p for s in submissions for p in s.notebooks if not p.is_symlink()]
+    paths += [s.root for s in submissions if s.root is not None]
+    paths += list(extra)
+    for checkout in checkouts():
+        paths += [checkout / name for name in SECRET_FOLDERS if (checkout / name).exists()]
+    exposed = exposed_to(user, paths)
     if exposed:
-        print(f"note: {len(exposed)} submitted notebook(s) can be read by every user, the sandbox users included (for "
-              f"example {exposed[0]}); make them private (chmod -R o-rwx) so no submission can read another's.",
-              file=stream)
+        shown = ", ".join(safe_name(p) for p in exposed[:3]) + (f" and {len(exposed) - 3} more" if len(exposed) > 3
+                                                                else "")
+        raise IsolationError(
+            f"without namespaces the submissions run as the user {user.name}, which could read {shown}. Make "
+            "them private first (chmod 700 on the course's checkout, or on its notebooks/ and tests/, and on the "
+            "submissions' folder), or grade where namespaces are available (as root on Linux, or in a container "
+            "with CAP_SYS_ADMIN)")
 
 
 def preload() -> None:
@@ -141,8 +205,21 @@ def preload() -> None:
             exercise.rubric
 
 
+def _missing_grade(name: str, weights) -> judge.NotebookGrade:
+    from course_lib.exercises import registry
+
+    exercise = registry.get(name)
+    text = (f"no notebook of this submission has {name} (an exercise of {exercise.notebook}): submit "
+            f"{exercise.notebook}.ipynb with it")
+    grade = judge.NotebookGrade(f"{exercise.notebook}.ipynb", status="graded")
+    grade.tests = [judge._zero(exercise, text, (weights or {}).get(name)).to_dict()]
+    return grade
+
+
 def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | None = None, timeout: float = 900.0,
-                      cell_timeout: float = 300.0, progress=None, user_base: str = DEFAULT_USER) -> list:
+                      cell_timeout: float = 300.0, progress=None, user_base: str | None = None,
+                      isolation: str | None = None, limits: Limits | None = None, assignment: list | None = None,
+                      protect=()) -> list:
     """Grade every notebook of every submission, `jobs` at a time; returns one `SubmissionGrade` per submission.
 
     Args:
@@ -150,7 +227,16 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
         weights: a rubric file's {exercise: {line: points}}.
         timeout, cell_timeout: seconds for one notebook, and for one of its cells.
         progress: a stream for one line per notebook done (with the time left), or None.
-        user_base: as root, the sandbox users' name (user_base, user_base1, ...); made when missing.
+        user_base: as root, the sandbox users' name (user_base, user_base1, ...; default `sandbox.default_user`);
+            made when missing.
+        isolation: 'namespaces', 'users', 'none', or None / 'auto' (`sandbox.choose_isolation`).
+        limits: each sandbox's memory, disk and processes (`sandbox.Limits`).
+        assignment: the assignments every submission is for (`assign.resolve_assignment`); None: each
+            submission's notebooks say.
+        protect: more paths the sandbox must not read (isolation 'users' checks them; e.g. Gradescope's source).
+
+    Raises:
+        IsolationError: isolation 'users' and the sandbox user could read the checkout or a submission.
 
     Example::
 
@@ -158,17 +244,36 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
         [ 1/16] alice/00_hello_ranks.ipynb: 5/5 in 9.8 s (about 2 min left)
     """
     jobs = jobs or default_jobs()
+    isolation = choose_isolation(isolation)
+    limits = limits or Limits()
     preload()
-    grades = [SubmissionGrade(s.name, [None] * len(s.notebooks), s.problem) for s in submissions]
-    tasks = deque((i, j) for i, s in enumerate(submissions) for j in range(len(s.notebooks)))
-    remaining = {i: len(s.notebooks) for i, s in enumerate(submissions)}
+    plans = [assign.plan_submission(s.notebooks, assignment, root=s.root) for s in submissions]
+    grades = [SubmissionGrade(s.name, [None] * len(s.notebooks), s.problem, list(s.notes), plan.assignments)
+              for s, plan in zip(submissions, plans)]
+    tasks = deque()
+    for i, (submission, plan) in enumerate(zip(submissions, plans)):
+        for j, notebook in enumerate(plan.notebooks):
+            if notebook.grade or notebook.error is not None and not notebook.found:
+                tasks.append((i, j))
+            else:
+                skipped = judge.NotebookGrade(str(notebook.path), status="skipped" if notebook.found else "graded")
+                skipped.notes = list(notebook.notes) or ["no exercises found in this notebook"]
+                if notebook.error is not None:
+                    skipped.status = notebook.error.kind
+                    skipped.notes.insert(0, str(notebook.error))
+                grades[i].notebooks[j] = skipped
+    remaining = {i: sum(1 for t in tasks if t[0] == i) for i in range(len(submissions))}
     total, done, started = len(tasks), 0, time.monotonic()
-    root_mode = running_as_root()
-    users = sandbox_users(min(jobs, max(1, len(submissions))), user_base) if root_mode else []
+    root_mode = running_as_root() and isolation != "none"
+    one_at_a_time = isolation == "users"         # no other submission may run beside one (its ports, its files)
+    user_base = user_base or default_user()
+    users = sandbox_users(1 if one_at_a_time else min(jobs, max(1, len(submissions))), user_base) if root_mode else []
     free, bound = list(users), {}
     workroot = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-grading-"))
     os.chmod(workroot, 0o711)      # a sandbox may enter its own folder here, not list the others
     try:
+        if one_at_a_time:
+            refuse_exposure(users[0], submissions, protect)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             running = {}
             while tasks or running:
@@ -179,9 +284,10 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
                             break
                         bound[student] = free.pop(0)
                     tasks.popleft()
-                    future = pool.submit(judge.grade_notebook, submissions[student].notebooks[index],
-                                         user=bound.get(student), workroot=workroot, timeout=timeout,
-                                         cell_timeout=cell_timeout, weights=weights)
+                    plan = plans[student].notebooks[index]
+                    future = pool.submit(judge.grade_notebook, plan.path, user=bound.get(student), workroot=workroot,
+                                         timeout=timeout, cell_timeout=cell_timeout, weights=weights,
+                                         isolation=isolation, limits=limits, exercises=plan.grade, notes=plan.notes)
                     running[future] = (student, index)
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
@@ -191,15 +297,17 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
                     done += 1
                     if remaining[student] == 0 and student in bound:
                         user = bound.pop(student)
-                        sweep_user(user)
+                        sweep_user(user, files=one_at_a_time)
                         free.append(user)
                     if progress is not None:
                         _report(progress, done, total, submissions[student], grades[student].notebooks[index], started)
     finally:
         for user in bound.values():
-            sweep_user(user)
+            sweep_user(user, files=one_at_a_time)
         release_users(users)
         shutil.rmtree(workroot, ignore_errors=True)
+    for grade, plan in zip(grades, plans):
+        grade.notebooks += [_missing_grade(name, weights) for name in plan.missing]
     return grades
 
 
@@ -207,6 +315,6 @@ def _report(stream, done, total, submission, grade, started) -> None:
     elapsed = time.monotonic() - started
     left = elapsed / done * (total - done)
     eta = f"about {left / 60:.0f} min left" if left >= 90 else f"about {left:.0f} s left" if done < total else "done"
-    name = pathlib.Path(grade.path).name
-    print(f"[{done:>{len(str(total))}}/{total}] {submission.name}/{name}: {judge.describe(grade)} in "
+    name = safe_name(pathlib.Path(grade.path).name)
+    print(f"[{done:>{len(str(total))}}/{total}] {safe_name(submission.name)}/{name}: {judge.describe(grade)} in "
           f"{grade.seconds:.1f} s ({eta})", file=stream, flush=True)

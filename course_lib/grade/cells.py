@@ -138,10 +138,8 @@ class Analysis:
     def _python(self, source: str) -> ast.Module:
         """The cell as a Python tree: IPython's own translation, with its magic calls checked and then replaced
         by None."""
-        from IPython.core.inputtransformer2 import TransformerManager
-
         try:
-            code = TransformerManager().transform_cell(source)
+            code = _transformer().transform_cell(source)
         except Exception as exc:  # noqa: BLE001
             raise _Unsafe(f"IPython cannot translate it ({type(exc).__name__})") from None
         try:
@@ -164,6 +162,18 @@ class Analysis:
                 else:
                     raise _Unsafe(f"the magic {name or kind} may run code")
         return _WithoutMagics().visit(tree)
+
+_TRANSFORMER: list = []
+
+
+def _transformer():
+    """IPython's translation of its syntax into Python, made once."""
+    if not _TRANSFORMER:
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        _TRANSFORMER.append(TransformerManager())
+    return _TRANSFORMER[0]
+
 
 class _WithoutMagics(ast.NodeTransformer):
     """Replaces get_ipython().something(...) calls, already checked, by None."""
@@ -223,6 +233,19 @@ def _root(node) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+class _Budget:
+    """The backward pass's work, counted: it may do at most `limit` steps (names visited), so that planning stays
+    linear in the notebook's size whatever its functions do; past that, every cell runs."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def spend(self, steps: int = 1) -> None:
+        self.left -= steps
+        if self.left < 0:
+            raise _Unsafe("its functions read each other too deeply to follow in the time planning may take")
+
+
 def cells_to_run(sources, answer_names) -> tuple[list[int], str]:
     """The positions (in `sources`) of the cells grading must run, in order, and a note on the decision.
 
@@ -233,15 +256,26 @@ def cells_to_run(sources, answer_names) -> tuple[list[int], str]:
     Returns:
         (indices, note): every index and the reason when the analysis cannot follow the notebook.
 
+    Time: linear in the sources' length. Each cell is analysed once; the backward pass touches each cell's own
+    names, and follows what functions read (each function's closure computed once) within a budget of steps
+    proportional to the notebook's size; a notebook past it runs every cell.
+
     Example::
 
         >>> cells_to_run(["import torch", "x = torch.ones(3)\\nplot(x)", "def f(t):\\n    return t + 1"], ["f"])
         ([2], '')
     """
     try:
-        cells = [Analysis(source) for source in sources]
+        return _plan(sources, answer_names), ""
     except _Unsafe as exc:
         return list(range(len(sources))), f"every cell ran: {exc}"
+
+
+def _plan(sources, answer_names) -> list[int]:
+    cells = [Analysis(source) for source in sources]
+    size = sum(len(cell.binds) + len(cell.reads) + len(cell.stores) + len(cell.handles) + len(cell.top_calls)
+               for cell in cells)
+    budget = _Budget(100_000 + 50 * (size + len(cells)))
     kind: dict = {}
     function_reads: dict = {}
     for cell in cells:
@@ -251,31 +285,57 @@ def cells_to_run(sources, answer_names) -> tuple[list[int], str]:
             kind[name] = this if kind.get(name, this) == this else "data"
         for name, reads in cell.functions.items():
             function_reads.setdefault(name, set()).update(reads)
+    closures: dict = {}
+
+    def closure(function) -> frozenset:
+        """`function` and every global its body reads, through the functions among them (computed once)."""
+        if function not in closures:
+            names, todo = {function}, [function]
+            while todo:
+                for read in function_reads.get(todo.pop(), ()):
+                    budget.spend()
+                    if read not in names:
+                        names.add(read)
+                        todo.append(read)
+            closures[function] = frozenset(names)
+        return closures[function]
 
     def expand(names) -> set:
         """`names` and, for every function among them, the globals its body reads (at the time it is called)."""
-        names, todo = set(names), list(names)
-        while todo:
-            for read in function_reads.get(todo.pop(), ()):
-                if read not in names:
-                    names.add(read)
-                    todo.append(read)
-        return names
+        out = set()
+        for name in names:
+            budget.spend()
+            out |= closure(name) if name in function_reads else {name}
+        budget.spend(len(out))
+        return out
 
     # Backwards through the notebook: `live` holds the names whose values some later kept cell (or, at the
     # end, the grader) reads. A cell matters when it binds a live name or may change a live value.
     live = expand(answer_names)
-    keep = set()
+
+    def is_data(name) -> bool:
+        return name in live and kind.get(name) == "data"
+
+    def changes_data(name) -> bool:
+        """Calling `name` may change a live value: it is a function whose body reads one."""
+        if name not in function_reads:
+            return False
+        reached = closure(name)
+        budget.spend(len(reached))
+        return any(is_data(n) for n in reached)
+
+    keep = []
     for index in range(len(cells) - 1, -1, -1):
         cell = cells[index]
-        data = {n for n in live if kind.get(n) == "data"}
-        modules = {n for n in live if kind.get(n) == "module"}
-        changers = {n for n, reads in function_reads.items() if expand(reads) & data}   # calling them may change data
-        changes = ((cell.stores | cell.handles) & (data | changers) or cell.top_calls & changers
-                   or (cell.stores | cell.state_calls) & modules)
-        if cell.always or cell.binds & live or changes:
-            keep.add(index)
+        touched = cell.stores | cell.handles
+        budget.spend(len(touched) + len(cell.top_calls) + len(cell.binds) + len(cell.state_calls))
+        changes = (any(is_data(n) or changes_data(n) for n in touched)
+                   or any(changes_data(n) for n in cell.top_calls)
+                   or any(n in live and kind.get(n) == "module" for n in cell.stores | cell.state_calls))
+        if cell.always or any(n in live for n in cell.binds) or changes:
+            keep.append(index)
             # What this cell binds anew, an earlier cell's value no longer reaches the readers after it; the
             # cell's own reads are needed before it (its own bindings of them included, for a ``x = x + 1``).
-            live = (live - (cell.kills - cell.top_reads)) | expand(cell.top_reads)
-    return sorted(keep), ""
+            live.difference_update(cell.kills - cell.top_reads)
+            live |= expand(cell.top_reads)
+    return sorted(keep)

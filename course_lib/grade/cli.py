@@ -10,13 +10,25 @@
 Common options: --rubric FILE (re-weight or drop rubric lines, TOML or JSON), --jobs N (notebooks at once;
 default one per core), --timeout / --cell-timeout (seconds per notebook / per cell), --verbose.
 
+What a submission is graded on: --assignment NAME (a number such as 04, or the notebook's name; several with
+commas) grades every submission against that assignment's exercises, whatever its files are called; without it
+each notebook is graded on its own assignment (its nbgrader metadata or its file name). An exercise found in
+several notebooks is graded once; exercises of other assignments score nothing (see course_lib.grade.assign).
+With --nbgrader, --assignment names nbgrader's folder (and the course's assignment when it is one's name).
+
+The sandbox: --isolation auto|namespaces|users|none (auto: the strongest this machine gives; see
+course_lib.grade.sandbox), and each notebook's limits --memory SIZE (4G), --disk SIZE (1G), --processes N (1024).
+A notebook that reaches one is stopped with a note saying which, and graded on what it did without that cell.
+
 A class writes OUT/<student>.json (Gradescope's results.json format, one test per rubric line) for every
 student and OUT/grades.csv (one row per student, one column per exercise); with --nbgrader also
 OUT/nbgrader_grades.csv, in the columns `nbgrader export` writes.
 
 Exit status:
     0  every submission was read and graded (whatever it scored)
-    2  bad arguments: a missing file, an unreadable rubric file, options that do not go together
+    2  bad arguments: a missing file, an unreadable rubric file, options that do not go together; or a machine
+       the grader refuses to grade on (no isolation available, or one that would let a submission read your
+       files: the message says what to do)
     3  some notebook could not be read or run (not a notebook, not Python, damaged; a student folder without
        a notebook); every other one was graded and all results were written
     4  the grader itself failed on some notebook (see its notes); the others were graded and written
@@ -25,6 +37,8 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
 import sys
 import time
@@ -45,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--gradescope", action="store_true", help="grade ROOT/submission into ROOT/results/results.json")
     mode.add_argument("--gradescope-autograder", metavar="ZIP", help="write Gradescope's autograder zip")
     mode.add_argument("--rubric-defaults", action="store_true", help="print every rubric line and its default points")
-    parser.add_argument("--assignment", help="with --nbgrader: the assignment's name")
+    parser.add_argument("--assignment", help="the assignment every submission is for (04, 04_ring_scatter_reduce; "
+                                             "several with commas); with --nbgrader: nbgrader's folder name")
     parser.add_argument("--root", default="/autograder", help="with --gradescope: Gradescope's folder (/autograder)")
     parser.add_argument("--out", metavar="DIR", help="with --class / --nbgrader: where to write results (grades/)")
     parser.add_argument("--json", metavar="PATH", help="one submission: write Gradescope's results.json here")
@@ -54,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for one notebook (900)")
     parser.add_argument("--cell-timeout", type=float, default=300.0, help="seconds for one cell (300)")
     parser.add_argument("--verbose", action="store_true", help="print every exercise's full feedback")
+    parser.add_argument("--isolation", default="auto", choices=("auto", "namespaces", "users", "none"),
+                        help="how submissions are kept apart (auto: the strongest available)")
+    parser.add_argument("--memory", default="4G", help="memory of one notebook's sandbox, all its processes (4G)")
+    parser.add_argument("--disk", default="1G", help="what one notebook's sandbox may write (1G)")
+    parser.add_argument("--processes", type=int, default=1024,
+                        help="processes and threads in one notebook's sandbox (1024)")
     return parser
 
 
@@ -61,21 +82,15 @@ def _exit_status(submission_grades) -> int:
     statuses = {s.status for s in submission_grades}
     if "failed" in statuses:
         return EXIT_GRADER_FAILED
-    if statuses - {"graded"}:
+    if statuses - {"graded", "skipped"}:
         return EXIT_UNREADABLE
     return EXIT_OK
 
 
-def _say_who_runs_the_code(stream) -> None:
-    from course_lib.grade.sandbox import DEFAULT_USER, running_as_root
+def _say_who_runs_the_code(isolation, limits, stream) -> None:
+    from course_lib.grade.sandbox import describe_isolation
 
-    if running_as_root():
-        print(f"grading as root: the submissions run as the unprivileged user {DEFAULT_USER} (and {DEFAULT_USER}1, "
-              "... for students graded at the same time)", file=stream)
-    else:
-        print("grading without root: the submissions run as your own user. They cannot change their grades, but "
-              "can read and write what you can; grade as root in a container to keep them out of your files.",
-              file=stream)
+    print(f"{describe_isolation(isolation)}; limits per notebook: {limits.describe()}", file=stream)
 
 
 def _nbgrader_csv(path, assignment, submission_grades) -> None:
@@ -89,47 +104,94 @@ def _nbgrader_csv(path, assignment, submission_grades) -> None:
     writer = csv.writer(buffer)
     writer.writerow(["assignment", "duedate", "timestamp", "student_id", "last_name", "first_name", "email",
                      "raw_score", "late_submission_penalty", "score", "max_score"])
+    from course_lib.grade.results import csv_cell
+
     for submission in submission_grades:
         score = format_points(submission.score)
-        writer.writerow([assignment, "", "", submission.name, "", "", "", score, "0", score,
-                         format_points(submission.max_score)])
+        writer.writerow([csv_cell(cell) for cell in (assignment, "", "", submission.name, "", "", "", score, "0", score,
+                                                     format_points(submission.max_score))])
     write_atomically(path, buffer.getvalue())
 
 
+def _file_name(name: str) -> str:
+    """A student's name as a file name in OUT: no folder separators, no leading dot."""
+    safe = "".join(c if c.isprintable() and c not in "/\\\0" else "_" for c in name).lstrip(".") or "_"
+    return safe[:200]
+
+
 def _write_class(out: pathlib.Path, submission_grades, seconds) -> None:
-    from course_lib.grade.results import dump_json, results_json, write_csv
+    from course_lib.grade.results import dump_json, submission_json, write_csv
 
     out.mkdir(parents=True, exist_ok=True)
     for submission in submission_grades:
-        results = results_json(submission.notebooks)
-        results.update(submission=submission.name, status=submission.status)
+        results = submission_json(submission)
+        results.update(submission=submission.name, status=submission.status, assignments=submission.assignments)
         if submission.problem:
             results["output"] = submission.problem
-        dump_json(out / f"{submission.name}.json", results)
+        dump_json(out / f"{_file_name(submission.name)}.json", results)
     write_csv(out / "grades.csv", submission_grades)
 
 
-def _gradescope(args, weights) -> int:
+def _gradescope(args, weights, options) -> int:
     from course_lib.grade import batch, gradescope, results
 
     root = pathlib.Path(args.root)
     gradescope.prepare_root(root)
+    _say_who_runs_the_code(options["isolation"], options["limits"], sys.stdout)
     submission = batch.collect_files([root / "submission"], name="submission")
     started = time.monotonic()
-    if submission.problem:
+    if submission.problem and not options["assignment"]:
         results.dump_json(root / "results" / "results.json",
                           {"score": 0, "output": "No notebook (.ipynb) was found in your submission: upload the "
                                                  "notebooks themselves.", "tests": []})
         return EXIT_UNREADABLE
     (grade,) = batch.grade_submissions([submission], jobs=args.jobs, weights=weights, timeout=args.timeout,
-                                       cell_timeout=args.cell_timeout, progress=sys.stdout)
+                                       cell_timeout=args.cell_timeout, progress=sys.stdout,
+                                       protect=[root / "source", root / "results"], **options)
     results.dump_json(root / "results" / "results.json",
-                      results.results_json(grade.notebooks, seconds=time.monotonic() - started))
-    print(results.table(grade.notebooks, args.verbose))
+                      results.submission_json(grade, seconds=time.monotonic() - started))
+    print(results.table(grade.notebooks, args.verbose, notes=grade.notes))
     return _exit_status([grade])
 
 
+def _hide_arguments(argv) -> None:
+    """Without namespaces every user can read this process's command line in /proc: start again with the
+    arguments (the submissions' folder, where results go) in the environment instead, which only root and this
+    user can read."""
+    os.execve(sys.executable, [sys.executable, "-m", "course_lib.grade"],
+              {**os.environ, "COURSE_LIB_GRADE_ARGV": json.dumps(list(argv))})
+
+
+def _options(args, parser) -> dict:
+    """isolation, limits and assignment from the arguments (the usage error when one is wrong)."""
+    from course_lib.grade import assign
+    from course_lib.grade.sandbox import IsolationError, Limits, choose_isolation, parse_size
+
+    try:
+        limits = Limits(memory=parse_size(args.memory), disk=parse_size(args.disk), processes=args.processes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if limits.processes < 16:
+        parser.error("--processes must be 16 or more (a launch of 8 ranks needs dozens of threads)")
+    if limits.memory < 256 << 20:
+        parser.error("--memory must be 256M or more (a sandbox's Python with torch needs about 300 MB)")
+    assignment = None
+    if args.assignment:
+        try:
+            assignment = assign.resolve_assignment(args.assignment)
+        except ValueError as exc:
+            if not args.nbgrader:
+                parser.error(str(exc))
+    try:
+        isolation = choose_isolation(args.isolation)
+    except IsolationError as exc:
+        parser.error(str(exc))
+    return {"isolation": isolation, "limits": limits, "assignment": assignment}
+
+
 def main(argv=None) -> int:
+    if argv is None and "COURSE_LIB_GRADE_ARGV" in os.environ:
+        argv = json.loads(os.environ.pop("COURSE_LIB_GRADE_ARGV"))
     parser = _parser()
     args = parser.parse_args(argv)
     from course_lib.exercises.rubric import RubricFileError, defaults_toml, load_weights
@@ -144,13 +206,28 @@ def main(argv=None) -> int:
     if args.gradescope_autograder:
         from course_lib.grade.gradescope import build_autograder
 
-        names = build_autograder(args.gradescope_autograder, rubric=args.rubric)
+        if args.assignment:
+            from course_lib.grade import assign
+
+            try:
+                assign.resolve_assignment(args.assignment)
+            except ValueError as exc:
+                parser.error(str(exc))
+        names = build_autograder(args.gradescope_autograder, rubric=args.rubric, assignment=args.assignment)
         print(f"wrote {args.gradescope_autograder} ({len(names)} files): upload it as the assignment's autograder")
         return EXIT_OK
     if args.jobs is not None and args.jobs < 1:
         parser.error("--jobs must be 1 or more")
+    options = _options(args, parser)
+    if options["isolation"] == "users" and argv is None and len(sys.argv) > 1:
+        _hide_arguments(sys.argv[1:])
+    from course_lib.grade.sandbox import IsolationError
+
     if args.gradescope:
-        return _gradescope(args, weights)
+        try:
+            return _gradescope(args, weights, options)
+        except IsolationError as exc:
+            parser.error(str(exc))
 
     from course_lib.grade import batch, results
 
@@ -176,30 +253,31 @@ def main(argv=None) -> int:
     if not submissions:
         parser.error("nothing to grade: no student folder found")
 
-    _say_who_runs_the_code(sys.stderr)
-    from course_lib.grade.sandbox import running_as_root
-
-    if running_as_root():
-        batch.warn_about_exposure(submissions, sys.stderr)
+    _say_who_runs_the_code(options["isolation"], options["limits"], sys.stderr)
     several = len(submissions) > 1 or bool(args.class_dir or args.nbgrader)
     started = time.monotonic()
-    grades = batch.grade_submissions(submissions, jobs=args.jobs, weights=weights, timeout=args.timeout,
-                                     cell_timeout=args.cell_timeout, progress=sys.stderr)
+    try:
+        grades = batch.grade_submissions(submissions, jobs=args.jobs, weights=weights, timeout=args.timeout,
+                                         cell_timeout=args.cell_timeout, progress=sys.stderr, **options)
+    except IsolationError as exc:
+        parser.error(str(exc))
     seconds = time.monotonic() - started
     if several:
         out = pathlib.Path(args.out or "grades")
         _write_class(out, grades, seconds)
         if args.nbgrader:
             _nbgrader_csv(out / "nbgrader_grades.csv", args.assignment, grades)
+        from course_lib.grade.notebook import safe_name
+
         for grade in grades:
-            print(f"{grade.name}: {grade.score:g}/{grade.max_score:g}" + ("" if grade.status == "graded"
-                                                                        else f" ({grade.status})"))
+            print(f"{safe_name(grade.name)}: {grade.score:g}/{grade.max_score:g}" + ("" if grade.status == "graded"
+                                                                                   else f" ({grade.status})"))
         print(f"wrote {out}/<student>.json for {len(grades)} students and {out}/grades.csv in {seconds:.0f} s")
     else:
         (grade,) = grades
         if grade.problem:
             print(grade.problem, file=sys.stderr)
-        print(results.table(grade.notebooks, args.verbose))
+        print(results.table(grade.notebooks, args.verbose, notes=grade.notes))
         if args.json:
-            results.dump_json(args.json, results.results_json(grade.notebooks, seconds=seconds))
+            results.dump_json(args.json, results.submission_json(grade, seconds=seconds))
     return _exit_status(grades)

@@ -1,6 +1,6 @@
 """Gradescope: the autograder zip an instructor uploads, and what its run_autograder does.
 
-    python -m course_lib.grade --gradescope-autograder autograder.zip [--rubric rubric.toml]
+    python -m course_lib.grade --gradescope-autograder autograder.zip [--rubric rubric.toml] [--assignment 04]
 
 writes a zip with (https://gradescope-autograders.readthedocs.io/en/latest/specs/):
 
@@ -9,10 +9,13 @@ writes a zip with (https://gradescope-autograders.readthedocs.io/en/latest/specs
                       was made, course_lib from the zip, and the unprivileged user the submissions run as
     run_autograder    run as root for every submission: grades /autograder/submission/**/*.ipynb into
                       /autograder/results/results.json (`python -m course_lib.grade --gradescope`)
-    requirements.txt  the pinned packages; course_lib_src/ course_lib itself; rubric.toml / .json if given
+    requirements.txt  the pinned packages; course_lib_src/ course_lib itself; rubric.toml / .json if given;
+                      assignment.txt: the assignment every submission is graded against, if given
 
-At grading time the judge first makes /autograder/source and /autograder/results readable by root only, so the
-submission (running as the unprivileged user) can neither read the autograder nor write the results.
+At grading time the judge first makes /autograder/source, /autograder/submission and /autograder/results
+readable by root only: the submission runs on its own copy of the notebook, unable to read the autograder or
+write the results. Gradescope's container gives no namespaces, so grading there uses isolation 'users' (see
+course_lib.grade.sandbox); one container grades one submission.
 AUTOGRADER_ROOT and COURSE_LIB_PYTHON, when set, replace /autograder and /opt/course_lib/bin/python: the tests
 run the same script in a temporary folder laid out like Gradescope's.
 """
@@ -59,7 +62,9 @@ RUBRIC=()
 for candidate in "$ROOT/source/rubric.toml" "$ROOT/source/rubric.json"; do
     [ -f "$candidate" ] && RUBRIC=(--rubric "$candidate")
 done
-"$PYTHON" -m course_lib.grade --gradescope --root "$ROOT" "${{RUBRIC[@]}}"
+ASSIGNMENT=()
+[ -f "$ROOT/source/assignment.txt" ] && ASSIGNMENT=(--assignment "$(cat "$ROOT/source/assignment.txt")")
+"$PYTHON" -m course_lib.grade --gradescope --root "$ROOT" "${{RUBRIC[@]}}" "${{ASSIGNMENT[@]}}"
 status=$?
 if [ ! -s "$ROOT/results/results.json" ]; then
     mkdir -p "$ROOT/results"
@@ -93,11 +98,12 @@ def _pyproject(version: str) -> str:
             f'[tool.setuptools.packages.find]\ninclude = ["course_lib*"]\n')
 
 
-def build_autograder(zip_path, rubric=None) -> list[str]:
+def build_autograder(zip_path, rubric=None, assignment: str | None = None) -> list[str]:
     """Write Gradescope's autograder zip to `zip_path`; returns the names of its files.
 
     Args:
         rubric: a rubric file (TOML or JSON, `rubric.load_weights` checks it first) to grade with.
+        assignment: the assignment every submission is graded against (`assign.resolve_assignment` checks it).
 
     Example::
 
@@ -113,6 +119,10 @@ def build_autograder(zip_path, rubric=None) -> list[str]:
     torch_version = versions.pop("torch").split("+")[0]
     files = {"setup.sh": SETUP_SH.format(torch=torch_version), "run_autograder": RUN_AUTOGRADER,
              "requirements.txt": "".join(f"{name}=={version}\n" for name, version in versions.items())}
+    if assignment:
+        from course_lib.grade.assign import resolve_assignment
+
+        files["assignment.txt"] = ",".join(resolve_assignment(assignment)) + "\n"
     if rubric is not None:
         suffix = pathlib.Path(rubric).suffix.lower()
         files["rubric.json" if suffix == ".json" else "rubric.toml"] = pathlib.Path(rubric).read_text()
@@ -132,9 +142,10 @@ def build_autograder(zip_path, rubric=None) -> list[str]:
 
 
 def prepare_root(root) -> None:
-    """Before any submission code runs: the autograder's files and the results folder become root's alone."""
+    """Before any submission code runs: the autograder's files, the submission as uploaded and the results folder
+    become root's alone (the sandbox gets its own copy of each notebook)."""
     root = pathlib.Path(root)
     (root / "results").mkdir(parents=True, exist_ok=True)
-    for folder in (root / "source", root / "results"):
-        if folder.exists():
+    for folder in (root / "source", root / "submission", root / "results"):
+        if folder.exists() and not folder.is_symlink():
             folder.chmod(0o700)

@@ -2,20 +2,33 @@
 
 The file is read as the JSON it is (nbformat 4, the format Jupyter has saved since 2015), with the standard
 library only: grading needs nothing the course's own install (requirements/base.txt) lacks. `read_notebook`
-refuses, with a message that says what to do, what is not a Python notebook: a file that is not JSON, JSON
-that is not a notebook, a notebook for another language.
+refuses, with a message that says what to do:
+
+* what is not a plain file: a symbolic link (never followed: the grader is often root, and the link could point
+  at another student's work or at a file only root may read), a device, a pipe, a socket ('refused');
+* what is too large to be a notebook of the course: more than MAX_NOTEBOOK_BYTES, MAX_CELLS cells or
+  MAX_CODE_CHARS characters of code ('too large', answered before any cell is looked at);
+* what is not a Python notebook: a file that is not JSON, JSON that is not a notebook, a notebook for another
+  language ('unreadable', 'unrunnable').
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import stat
 
-__all__ = ["read_notebook", "exercises_in", "exercises_of_number", "NotebookError", "CHECK_CALL", "code_cells"]
+__all__ = ["read_notebook", "read_file", "exercises_in", "exercises_of_number", "NotebookError", "CHECK_CALL",
+           "code_cells", "MAX_NOTEBOOK_BYTES", "MAX_CELLS", "MAX_CODE_CHARS", "safe_name"]
 
 CHECK_CALL = re.compile(r"""exercises\s*\.\s*check\s*\(\s*["']([A-Za-z0-9_]+)["']""")
-MAX_NOTEBOOK_BYTES = 64 * 2**20
+# The course's largest notebook has 0.8 MB, 71 cells and 42,251 characters of code (11_beat_the_ring, with its
+# outputs); a student's copy may hold far more, but not this much.
+MAX_NOTEBOOK_BYTES = 32 * 2**20
+MAX_CELLS = 2_000
+MAX_CODE_CHARS = 1_000_000
 
 
 class NotebookError(ValueError):
@@ -36,38 +49,98 @@ def _text(value) -> str | None:
     return None
 
 
-def read_notebook(path) -> dict:
-    """The notebook at `path` as {'cells': [{'cell_type', 'source'}, ...], 'metadata': {...}} (sources as
-    strings), or NotebookError saying why it cannot be graded."""
+def safe_name(name) -> str:
+    """A file or student name as it may be shown: control characters (a terminal's escape sequences among them)
+    written as escapes, at most 200 characters."""
+    text = str(name)
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return shown if len(shown) <= 200 else shown[:197] + "..."
+
+
+def read_file(path) -> bytes:
+    """The bytes of the submitted file at `path`, read without following a link and only if it is a plain file
+    of at most MAX_NOTEBOOK_BYTES (checked on the open file, so nothing can be swapped in between).
+
+    Raises:
+        NotebookError: 'refused' (a link, a device, a pipe, a folder), 'too large', 'unreadable' (cannot be read).
+    """
     path = pathlib.Path(path)
+    name = safe_name(path.name)
     try:
-        size = path.stat().st_size
+        info = os.lstat(path)
     except OSError as exc:
-        raise NotebookError("unreadable", f"cannot read {path.name}: {exc.strerror}") from None
-    if size > MAX_NOTEBOOK_BYTES:
-        raise NotebookError("unreadable", f"{path.name} is {size:,} bytes, more than any notebook of the course")
+        raise NotebookError("unreadable", f"cannot read {name}: {exc.strerror}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise NotebookError("refused", f"{name} is a symbolic link: the grader does not follow links (it could point "
+                                       "at someone else's work); submit the notebook file itself")
+    if not stat.S_ISREG(info.st_mode):
+        raise NotebookError("refused", f"{name} is not a plain file (a device, a pipe, a socket or a folder): submit "
+                                       "the notebook file itself")
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        kind = "refused" if exc.errno == 40 else "unreadable"         # ELOOP: it became a link meanwhile
+        raise NotebookError(kind, f"cannot read {name}: {exc.strerror}") from None
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise NotebookError("refused", f"{name} is not a plain file: submit the notebook file itself")
+        if opened.st_size > MAX_NOTEBOOK_BYTES:
+            raise NotebookError("too large", f"{name} is {opened.st_size:,} bytes, more than the "
+                                             f"{MAX_NOTEBOOK_BYTES // 2**20} MiB the grader reads (the course's "
+                                             "largest notebook has under 1 MB): clear its outputs and submit it again")
+        chunks, total = [], 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > MAX_NOTEBOOK_BYTES:
+                raise NotebookError("too large", f"{name} is more than {MAX_NOTEBOOK_BYTES // 2**20} MiB")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_notebook(path, data: bytes | None = None) -> dict:
+    """The notebook at `path` as {'cells': [{'cell_type', 'source', 'metadata'}, ...], 'metadata': {...}}
+    (sources as strings), or NotebookError saying why it cannot be graded (see the module's docstring).
+    `data`: its bytes, when already read with `read_file`."""
+    path = pathlib.Path(path)
+    name = safe_name(path.name)
+    if data is None:
+        data = read_file(path)
+    try:
+        raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise NotebookError("unreadable", f"{path.name} is not a Jupyter notebook (not JSON: {exc}). Submit the "
+        raise NotebookError("unreadable", f"{name} is not a Jupyter notebook (not JSON: {exc}). Submit the "
                                           ".ipynb file that Jupyter saves, not an export.") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
         if isinstance(raw, dict) and "worksheets" in raw:
-            raise NotebookError("unreadable", f"{path.name} is an old (nbformat 3) notebook: open it in Jupyter and "
+            raise NotebookError("unreadable", f"{name} is an old (nbformat 3) notebook: open it in Jupyter and "
                                               "save it, which writes the current format")
-        raise NotebookError("unreadable", f"{path.name} is JSON but not a Jupyter notebook (no list of cells)")
+        raise NotebookError("unreadable", f"{name} is JSON but not a Jupyter notebook (no list of cells)")
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     kernelspec = metadata.get("kernelspec") if isinstance(metadata.get("kernelspec"), dict) else {}
     language_info = metadata.get("language_info") if isinstance(metadata.get("language_info"), dict) else {}
     language = kernelspec.get("language") or language_info.get("name") or "python"
     if str(language).lower() != "python":
-        raise NotebookError("unrunnable", f"{path.name} is a {language} notebook; the course's notebooks are Python")
-    cells = []
+        raise NotebookError("unrunnable", f"{name} is a {safe_name(language)[:40]} notebook; the course's notebooks "
+                                          "are Python")
+    if len(raw["cells"]) > MAX_CELLS:
+        raise NotebookError("too large", f"{name} has {len(raw['cells']):,} cells, more than the {MAX_CELLS:,} the "
+                                         "grader reads (the course's notebooks have under 100): submit the "
+                                         "notebook with the cells of the exercises, not a generated one")
+    cells, code = [], 0
     for index, cell in enumerate(raw["cells"]):
         source = _text(cell.get("source")) if isinstance(cell, dict) else None
         if source is None:
-            raise NotebookError("unreadable", f"{path.name} is a damaged notebook: cell {index} has no source text")
-        cells.append({"cell_type": cell.get("cell_type"), "source": source})
+            raise NotebookError("unreadable", f"{name} is a damaged notebook: cell {index} has no source text")
+        cell_metadata = cell.get("metadata") if isinstance(cell.get("metadata"), dict) else {}
+        cells.append({"cell_type": cell.get("cell_type"), "source": source, "metadata": cell_metadata})
+        if cell.get("cell_type") == "code":
+            code += len(source)
+    if code > MAX_CODE_CHARS:
+        raise NotebookError("too large", f"{name} has {code:,} characters of code, more than the {MAX_CODE_CHARS:,} "
+                                         "the grader reads (the course's notebooks have under 50,000)")
     return {"cells": cells, "metadata": metadata}
 
 

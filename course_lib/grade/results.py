@@ -11,7 +11,9 @@ rubric line, so Gradescope shows them one by one:
 The first line of each exercise also carries the exercise's whole report (first problem, cases). A notebook
 with notes (a cell that raised, one that ran too long) gets one more test of 0 points holding them.
 
-The CSV has one row per submission and one column per exercise.
+The CSV has one row per submission and one column per exercise. A cell that a spreadsheet would read as a
+formula (one starting with =, +, -, @, a tab or a carriage return: a student's folder named "=HYPERLINK(...)")
+is written with a leading apostrophe, as OWASP's guidance on CSV injection says, so it opens as text.
 """
 
 from __future__ import annotations
@@ -25,11 +27,22 @@ import tempfile
 
 from course_lib.exercises.report import format_points
 
-__all__ = ["results_json", "table", "write_csv", "write_atomically", "exercise_columns"]
+from course_lib.grade.notebook import safe_name
+
+__all__ = ["results_json", "submission_json", "table", "write_csv", "write_atomically", "exercise_columns",
+           "csv_cell"]
+
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value) -> str:
+    """A CSV cell that no spreadsheet reads as a formula."""
+    text = str(value)
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
 
 
 def _label(path) -> str:
-    return pathlib.Path(path).stem
+    return safe_name(pathlib.Path(path).stem)
 
 
 def _line_tests(label: str, test: dict) -> list[dict]:
@@ -47,9 +60,18 @@ def _line_tests(label: str, test: dict) -> list[dict]:
     return tests
 
 
-def results_json(grades, *, seconds: float | None = None) -> dict:
-    """Gradescope's results.json for one submission (its notebooks' `NotebookGrade`s): one test per rubric line."""
+def submission_json(submission, *, seconds: float | None = None) -> dict:
+    """results.json for a `batch.SubmissionGrade`: its notebooks' tests and the notes on the submission's files."""
+    return results_json(submission.notebooks, seconds=seconds, notes=submission.notes)
+
+
+def results_json(grades, *, seconds: float | None = None, notes=()) -> dict:
+    """Gradescope's results.json for one submission (its notebooks' `NotebookGrade`s): one test per rubric line.
+    `score` is never more than the total possible."""
     tests = []
+    if notes:
+        tests.append({"name": "submission: files", "score": 0, "max_score": 0, "status": "passed",
+                      "output": "\n".join(notes), "visibility": "visible"})
     for grade in grades:
         label = _label(grade.path)
         for test in grade.tests:
@@ -57,22 +79,23 @@ def results_json(grades, *, seconds: float | None = None) -> dict:
         if grade.notes:
             tests.append({"name": f"{label}: notebook run", "score": 0, "max_score": 0, "status": "passed",
                           "output": "\n".join(grade.notes), "visibility": "visible"})
-    total = round(sum(g.score for g in grades), 2)
     possible = round(sum(g.max_score for g in grades), 2)
-    problems = [f"{pathlib.Path(g.path).name}: {g.notes[-1]}" for g in grades if g.status != "graded" and g.notes]
+    total = min(round(sum(g.score for g in grades), 2), possible)
+    problems = [f"{safe_name(pathlib.Path(g.path).name)}: {g.notes[-1]}" for g in grades
+                if g.status not in ("graded", "skipped") and g.notes]
     result = {"score": total, "output": f"{format_points(total)} of {format_points(possible)} points."
               + ("\n" + "\n".join(problems) if problems else ""), "tests": tests,
-              "extra_data": {"notebooks": {pathlib.Path(g.path).name: {"seconds": round(g.seconds, 3), **g.timings}
-                                           for g in grades}}}
+              "extra_data": {"notebooks": {safe_name(pathlib.Path(g.path).name): {"seconds": round(g.seconds, 3),
+                                                                                   **g.timings} for g in grades}}}
     if seconds is not None:
         result["execution_time"] = round(seconds)
     return result
 
 
-def table(grades, verbose: bool = False, label_of=None) -> str:
+def table(grades, verbose: bool = False, label_of=None, notes=()) -> str:
     """The terminal's table: one row per exercise (missed rubric lines named), notes, and the total."""
-    label_of = label_of or (lambda grade: pathlib.Path(grade.path).name)
-    rows = []
+    label_of = label_of or (lambda grade: safe_name(pathlib.Path(grade.path).name))
+    rows = [("(submission)", "", "", note) for note in notes]
     for grade in grades:
         label = label_of(grade)
         for test in grade.tests:
@@ -89,8 +112,8 @@ def table(grades, verbose: bool = False, label_of=None) -> str:
             rows.append((label, "(notebook)", "", note))
         if verbose:
             rows += [(label, "(grader)", "", info) for info in grade.info]
-    total = sum(g.score for g in grades)
     possible = sum(g.max_score for g in grades)
+    total = min(sum(g.score for g in grades), possible)
     rows.append(("total", "", f"{format_points(total)}/{format_points(possible)}", ""))
     widths = [max(len(r[i]) for r in rows + [("submission", "exercise", "points", "")]) for i in range(3)]
     lines = [f"{'submission':<{widths[0]}}  {'exercise':<{widths[1]}}  {'points':>{widths[2]}}  result"]
@@ -115,8 +138,9 @@ def write_csv(path, submission_grades) -> None:
     writer.writerow(["submission", "score", "max_score", "status", *columns])
     for submission in submission_grades:
         scores = {test["name"]: test["score"] for g in submission.notebooks for test in g.tests}
-        writer.writerow([submission.name, format_points(submission.score), format_points(submission.max_score),
-                         submission.status, *(format_points(scores[c]) if c in scores else "" for c in columns)])
+        row = [submission.name, format_points(submission.score), format_points(submission.max_score),
+               submission.status, *(format_points(scores[c]) if c in scores else "" for c in columns)]
+        writer.writerow([csv_cell(cell) for cell in row])
     write_atomically(path, buffer.getvalue())
 
 
