@@ -161,8 +161,11 @@ class Simulator:
         self.bytes_in = [0] * world_size
         self.routes: dict = {}
         self.horizon = 0.0                   # the time of the last event processed
+        self._running: set = set()           # ids of the actors that run (they hold the simulation back)
+        self._clocks: list = []              # (clock, id) of running actors; stale entries are skipped
+        self._testing: set = set()           # actors blocked in test()
         for rank in range(world_size):
-            self.actors[main_actor(rank)] = _Actor(main_actor(rank), rank, 0.0)
+            self._note(self.actors.setdefault(main_actor(rank), _Actor(main_actor(rank), rank, 0.0)))
 
     # -- actors ----------------------------------------------------------------------------------
 
@@ -175,7 +178,16 @@ class Simulator:
                 raise SimulationError(f"actor {actor_id} belongs to no rank of {self.world_size}")
             # a thread that starts communicating now cannot start before what has already happened
             actor = self.actors[actor_id] = _Actor(actor_id, rank, max(self.horizon, clock or 0.0))
+            self._note(actor)
         return actor
+
+    def _note(self, actor: _Actor) -> None:
+        """Keep the set of running actors and their clocks up to date after `actor` changed."""
+        if actor.state == RUNNING:
+            self._running.add(actor.id)
+            heapq.heappush(self._clocks, (actor.clock, actor.id))
+        else:
+            self._running.discard(actor.id)
 
     def sync_clock(self, actor_id: int, clock: float) -> _Actor:
         """The actor's clock as it counts it (its compute since its last operation added): never backwards."""
@@ -189,6 +201,7 @@ class Simulator:
         if actor.clock < self.horizon:     # cannot happen for an actor the simulation waited for; be safe
             actor.clock = self.horizon
         actor.seq += 1
+        self._note(actor)
         return actor
 
     def park(self, actor_id: int, clock: float, seen: int) -> None:
@@ -199,6 +212,7 @@ class Simulator:
         actor = self.sync_clock(actor_id, clock)
         if actor.woken <= seen:
             actor.state, actor.parked_at = PARKED, seen
+            self._note(actor)
 
     def wake(self, giver_id: int, clock: float, target_id: int, count: int) -> None:
         """Thread `giver` handed thread `target` work (its `count`-th wake-up): the target runs from the
@@ -211,17 +225,22 @@ class Simulator:
         if target.state == PARKED and count > target.parked_at:
             target.state = RUNNING
             target.clock = max(target.clock, giver.clock)
+            self._note(target)
 
     def finish(self, actor_id: int) -> None:
         actor = self.actors.get(actor_id)
         if actor is not None:
             actor.state, actor.waiting = DONE, None
+            self._note(actor)
+            self._testing.discard(actor.id)
 
     def finish_rank(self, rank: int) -> None:
         """Every thread of `rank` is done (its function returned, or it failed)."""
         for actor in self.actors.values():
             if actor.rank == rank:
                 actor.state, actor.waiting = DONE, None
+                self._note(actor)
+                self._testing.discard(actor.id)
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -254,6 +273,7 @@ class Simulator:
         actor = self.sync_clock(actor_id, clock)
         request = self._own(actor, request_id)
         actor.state, actor.waiting = BLOCKED, request
+        self._note(actor)
         if request.done is not None:
             self._wake(actor, request)
 
@@ -264,6 +284,8 @@ class Simulator:
         actor = self.sync_clock(actor_id, clock)
         request = self._own(actor, request_id)
         actor.state, actor.waiting, actor.deadline = BLOCKED, request, (actor.clock, poll)
+        self._note(actor)
+        self._testing.add(actor.id)
 
     def collective(self, actor_id: int, clock: float, request_id, group, members, seq: int, kind: str,
                    nbytes: int = 0, root: int | None = None):
@@ -327,11 +349,11 @@ class Simulator:
         return self.events[0][0] if self.events else math.inf
 
     def running(self) -> list:
-        return [a for a in self.actors.values() if a.state == RUNNING]
+        return [self.actors[i] for i in self._running]
 
     def deadlock(self) -> str | None:
         """A description of what every waiting actor waits for, if nothing can ever wake any of them."""
-        if self.events or any(a.state == RUNNING for a in self.actors.values()):
+        if self.events or self._running:
             return None
         waiting = [a for a in self.actors.values() if a.state == BLOCKED]
         if not waiting:
@@ -351,8 +373,15 @@ class Simulator:
     # -- inside ----------------------------------------------------------------------------------
 
     def _bound(self) -> float:
-        clocks = [a.clock for a in self.actors.values() if a.state == RUNNING]
-        return min(clocks) if clocks else math.inf
+        """The least clock of a running actor (infinity when none runs)."""
+        clocks, actors = self._clocks, self.actors
+        while clocks:
+            clock, actor_id = clocks[0]
+            actor = actors[actor_id]
+            if actor.state == RUNNING and actor.clock == clock:
+                return clock
+            heapq.heappop(clocks)
+        return math.inf
 
     def _push(self, time, kind, order, item):
         self.counter += 1
@@ -422,13 +451,17 @@ class Simulator:
             if request.message is not None and request.kind == "recv":
                 actor.hops = request.message.hops
         actor.state, actor.waiting = RUNNING, None
+        self._note(actor)
         self.requests.pop(request.id, None)
         self.woken.append((actor.id, request.id, actor.clock, request.source))
 
     def _answer_tests(self, bound: float) -> None:
+        if not self._testing:
+            return
         horizon = min(bound, self.next_event())
-        for actor in self.actors.values():
+        for actor in [self.actors[i] for i in sorted(self._testing)]:
             if actor.state != BLOCKED or actor.deadline is None:
+                self._testing.discard(actor.id)
                 continue
             request, (when, poll) = actor.waiting, actor.deadline
             if request.done is not None and request.done <= when:
@@ -438,11 +471,13 @@ class Simulator:
             else:
                 continue
             actor.deadline = None
+            self._testing.discard(actor.id)
             actor.state, actor.waiting = RUNNING, None
             if not answer:
                 actor.clock = when + poll
             else:
                 self.requests.pop(request.id, None)
+            self._note(actor)
             self.woken.append((actor.id, request.id, actor.clock, answer))
 
     def _request(self, request_id, kind, actor, peer, group, tag, nbytes, what=""):
