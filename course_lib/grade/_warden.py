@@ -7,7 +7,8 @@ in /proc): what to do comes as one line of JSON on its stdin.
     python _warden.py                      # the sandbox: a JSON line on stdin, then "stop" (or EOF) ends it
     python _warden.py --probe              # can this machine give namespaces? prints "ok" or the reason
     python _warden.py --sweep-uid U        # as root: kill every process of user U, remove its IPC objects and
-                                           # (with folders on stdin, one a line) every file it owns below them
+                                           # (with folders on stdin, one a line) every file it owns below them;
+                                           # --files-only: leave its processes be
 
 With isolation "namespaces" (root, or a user allowed unprivileged user namespaces):
 
@@ -315,10 +316,10 @@ def _size(path, info):
     return total
 
 
-def sweep_uid(uid, folders=(), skip=()):
-    """Kill every process of `uid`, remove its System V IPC objects and every file it owns below `folders`.
-    Returns (processes, ipc objects, files) removed."""
-    killed = _kill_uid(uid)
+def sweep_uid(uid, folders=(), skip=(), processes=True):
+    """Kill every process of `uid` (unless `processes` is False), remove its System V IPC objects and every file
+    it owns below `folders`. Returns (processes, ipc objects, files) removed."""
+    killed = _kill_uid(uid) if processes else 0
     ipc = _remove_ipc(uid)
     files, _ = owned_files(uid, folders, set(skip))
     for path in files:
@@ -918,19 +919,19 @@ def run(config):
             pending += data
             asked = b"\n" in pending
             pending = pending.rsplit(b"\n", 1)[-1]
+        ended = False
         if report is not None and report in ready:
             line = _read_line(report, 1)
             if line.startswith("ended"):
                 parts = line.split()
                 left_when_ended = int(parts[2]) if len(parts) > 2 else 0
-                break
-            if not line:
-                break
-        if first in _reap():
-            break
-        hit = watch.hit(now=asked)
+            ended = line.startswith("ended") or not line
+        ended = first in _reap() or ended
+        hit = watch.hit(now=asked or ended)     # a kernel that ended may have been ended by a limit (the OOM killer)
         if hit:
             print(f"limit {hit}", flush=True)
+            break
+        if ended:
             break
         if asked:                  # the judge asks after every cell and check: "ok" unless a limit was reached
             print("ok", flush=True)
@@ -984,7 +985,8 @@ def main(argv):
     if argv[:1] == ["--sweep-uid"]:
         folders = [line.strip() for line in sys.stdin if line.strip()] if "--folders" in argv else []
         skip = [f[1:] for f in folders if f.startswith("-")]
-        killed, ipc, files = sweep_uid(int(argv[1]), [f for f in folders if not f.startswith("-")], skip)
+        killed, ipc, files = sweep_uid(int(argv[1]), [f for f in folders if not f.startswith("-")], skip,
+                                       processes="--files-only" not in argv)
         print(f"clean {killed} {ipc} {files}", flush=True)
         return 0
     line = sys.stdin.buffer.readline(1 << 20)

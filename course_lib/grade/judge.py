@@ -266,6 +266,11 @@ class _Session:
                 self.log_tail = tail
             started = time.monotonic()
             self.left_running += max(0, self.box.stop())
+            if self.box.limit_hit and self.isolation == "users" and self.user is not None:
+                # Without namespaces what it wrote outside its folder (the disk it filled) lies in the shared
+                # folders until the student's sweep: remove it now, so the notebook can run again without it.
+                sweep_user(self.user, files=True, processes=False, skip=[str(pathlib.Path(self.workdir).parent)])
+                _empty_folder(self.workdir, keep=(pathlib.Path(self.path).name,), user=self.user)
             self.limit_hit = self.box.limit_hit or self.limit_hit
             self.box = None
             self.timings["stop"] += time.monotonic() - started
@@ -357,6 +362,19 @@ def _check(session, exercise, weights, case_timeout) -> Result:
                                    f"{limit_words(hit)} and was stopped.", weights)
         return _zero(exercise, f"not graded: the notebook's process stopped answering while it was checked ({exc}).",
                      weights)
+
+
+def _empty_folder(folder: pathlib.Path, keep, user: SandboxUser | None) -> None:
+    """Everything in the sandbox's folder but the notebook's copy removed; its tmp/ made again."""
+    for entry in pathlib.Path(folder).iterdir():
+        if entry.name not in keep:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    (pathlib.Path(folder) / "tmp").mkdir(exist_ok=True)
+    if user is not None:
+        os.chown(pathlib.Path(folder) / "tmp", user.uid, user.gid)
 
 
 def _workdir(root, user: SandboxUser | None, isolation: str, name: str, data: bytes) -> tuple:
@@ -467,7 +485,11 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
         grade.status = "failed"
         grade.notes.append(f"the grader failed on this notebook: {type(exc).__name__}: {exc}")
     finally:
-        session.stop()
+        try:
+            session.stop()
+        except Exception as exc:  # noqa: BLE001 - say so on this notebook; the others are graded all the same
+            grade.status = "failed"
+            grade.notes.append(f"the grader failed to stop this notebook's sandbox: {type(exc).__name__}: {exc}")
         grade.info.append(session.describe_plan())
         if session.log_tail:
             grade.info.append("the sandbox's own output ended: " + session.log_tail)

@@ -56,7 +56,7 @@ from course_lib.grade import channel
 __all__ = ["Sandbox", "SandboxUser", "Limits", "SandboxError", "SandboxStartError", "SandboxDied", "SandboxTimeout",
            "IsolationError", "sandbox_users", "release_users", "sweep_user", "running_as_root", "choose_isolation",
            "namespaces_available", "exposed_to", "shared_dirs", "parse_size", "describe_isolation", "WARDEN",
-           "ISOLATIONS", "DEFAULT_USER", "default_user", "checkouts", "SECRET_FOLDERS"]
+           "ISOLATIONS", "DEFAULT_USER", "default_user", "checkouts", "SECRET_FOLDERS", "left_behind"]
 
 WARDEN = str(pathlib.Path(__file__).with_name("_warden.py"))
 DEFAULT_USER = "course_lib_grader"
@@ -341,20 +341,41 @@ def shared_dirs() -> list[str]:
     return _SHARED["dirs"]
 
 
-def sweep_user(user: SandboxUser, files: bool = False, skip=()) -> tuple[int, int, int]:
+def sweep_user(user: SandboxUser, files: bool = False, skip=(), processes: bool = True) -> tuple[int, int, int]:
     """Kill every process `user` still runs (as root), wherever it went; with `files`, also remove its System V
-    IPC objects and every file it owns in the folders any user may write (`shared_dirs`). Returns how many
-    processes, IPC objects and files (top-most entries) there were."""
+    IPC objects and every file it owns in the folders any user may write (`shared_dirs`); `processes=False`
+    leaves its processes be (files and IPC objects only). Returns how many processes, IPC objects and files
+    (top-most entries) there were."""
     folders = shared_dirs() if files else []
-    skip = [*skip, *(str(p) for p in _MIRROR.values())]
+    skip = [*skip, *(str(p) for p in mirror_folders())]
     lines = "".join(f"{f}\n" for f in folders) + "".join(f"-{s}\n" for s in skip)
-    done = subprocess.run([sys.executable, WARDEN, "--sweep-uid", str(user.uid)] + (["--folders"] if files else []),
-                          input=lines if files else "", capture_output=True, text=True, timeout=300)
+    command = [sys.executable, WARDEN, "--sweep-uid", str(user.uid)] + (["--folders"] if files else []) + \
+        ([] if processes else ["--files-only"])
+    done = subprocess.run(command, input=lines if files else "", capture_output=True, text=True, timeout=300)
     try:
         counts = [int(x) for x in done.stdout.split()[1:4]]
         return tuple(counts + [0] * (3 - len(counts)))
     except (IndexError, ValueError):
         raise SandboxError(f"could not clean up after {user.name}: {done.stderr.strip()[-300:]}") from None
+
+
+def _warden_module():
+    import importlib.util
+
+    if "module" not in _SHARED:
+        spec = importlib.util.spec_from_file_location("course_lib_grade_warden", WARDEN)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _SHARED["module"] = module
+    return _SHARED["module"]
+
+
+def left_behind(uid: int) -> dict:
+    """What user `uid` still has (as root): {'processes': [pid], 'ipc': [(kind, id, bytes)], 'files': [path]}, the
+    files looked for in every folder any user may write."""
+    warden = _warden_module()
+    files, _ = warden.owned_files(uid, shared_dirs(), {str(p) for p in mirror_folders()})
+    return {"processes": warden._uid_processes(uid), "ipc": warden.ipc_objects(uid), "files": files}
 
 
 def exposed_to(user: SandboxUser, paths) -> list[str]:

@@ -1,0 +1,555 @@
+"""Attacks on the grader's isolation (issue 26), each as a hostile student would try it, as root, in both setups:
+
+* namespaces: the sandbox has mount, PID, IPC and network namespaces of its own (root on Linux);
+* users: the fallback where namespaces are missing (a container without CAP_SYS_ADMIN, as on Gradescope),
+  forced with --isolation users: a user of its own, one student at a time, a sweep after.
+
+Every attack is one student of one class, graded by one `python -m course_lib.grade --class` run per setup
+(`battery`), with small limits (1 GiB of memory, 256 MiB of disk, 256 processes per notebook) so the limits are
+reached fast. Each attack's cell ends by raising an error that reports what it found ("ATTACK [...]"); the
+grader notes it, which tells the test that the attack ran and what it saw. Each test then checks the attack's
+score is what its honest part earns (0 for a blank copy) and what it could not do; `test_nothing_is_left_behind`
+checks, once the run is over, that no process, file, System V object, cgroup or mount of any sandbox remains.
+
+The users setup's guarantee rests on permissions: the sandbox user must not be able to read the checkout's
+notebooks/ and tests/ (the grader refuses to start otherwise). A clean clone in a mktemp folder, as the README
+says, gives that; this repository's own checkout may be readable by everyone, so for that setup the test runs
+the grader in a private mount namespace of its own in which the checkout's notebooks/ and tests/ are covered by
+an empty folder of root's: the machine the README describes. The namespaces setup needs no such help.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import nbformat
+import pytest
+
+from course_lib.grade import sandbox
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+USER = "course_lib_battery"
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandboxes run as other users, which needs root")
+
+
+def _namespaces_or_fail():
+    ok, why = sandbox.namespaces_available()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must give the grader namespaces (root on Linux): {why}")
+        pytest.skip(f"this machine gives no namespaces: {why}")
+
+
+STUB_04 = '''import torch, torch.distributed as dist
+from course_lib import exercises
+
+def ring_scatter_reduce(tensor):
+    raise NotImplementedError("your code here")'''
+ANSWERS_06 = 'traffic_ring = "2*(G-1)*N"\ntraffic_ring_per_rank = "2(G-1)N/G"\nring_steps = "2(G-1)"'
+
+
+def _solution(notebook: str, grade_id: str) -> str:
+    cell = next(c for c in nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return cell.source
+
+
+RING_04 = "import torch, torch.distributed as dist\nfrom course_lib import exercises\n\n" + \
+    _solution("04_ring_scatter_reduce.ipynb", "ring_scatter_reduce")
+
+
+def _attack(source: str, rebind: str) -> str:
+    """An attack cell: REPORT collects what it found, the answer's name is bound again (so grading runs the cell),
+    and it ends by raising the report, which the grader notes."""
+    return (f"REPORT = []\n{textwrap.dedent(source).strip()}\n{rebind} = {rebind}\n"
+            "raise RuntimeError('ATTACK ' + repr(REPORT))")
+
+
+ATTACK_SOLUTION_FROM_CHECKOUT = '''
+    import os, json, pathlib, course_lib
+    candidates = list(pathlib.Path(course_lib.__file__).resolve().parents)
+    for pid in filter(str.isdigit, os.listdir("/proc")):           # every command line and environment it can read
+        for what in ("cmdline", "environ"):
+            try:
+                words = open(f"/proc/{pid}/{what}", "rb").read().split(b"\\0")
+            except OSError:
+                continue
+            for word in words:
+                for part in word.decode(errors="replace").replace("=", ":").split(":"):
+                    if part.startswith("/"):
+                        candidates.append(pathlib.Path(part))
+    tried, executed = set(), []
+    for candidate in candidates:
+        for base in [candidate, *candidate.parents]:
+            notebook = base / "notebooks" / "04_ring_scatter_reduce.ipynb"
+            if notebook in tried:
+                continue
+            tried.add(notebook)
+            try:
+                cells = json.loads(notebook.read_text())["cells"]
+            except (OSError, ValueError):
+                continue
+            for cell in cells:
+                source = "".join(cell["source"])
+                if "def ring_scatter_reduce" in source and "BEGIN SOLUTION" in source:
+                    exec(source, globals())
+                    executed.append(str(notebook))
+    REPORT.extend([len(tried), executed])'''
+
+ATTACK_OTHER_STUDENTS = '''
+    import os, json, pathlib, time
+    def places():
+        found = {pathlib.Path.cwd(), pathlib.Path("/tmp"), pathlib.Path("/var/tmp"), pathlib.Path.home()}
+        for pid in filter(str.isdigit, os.listdir("/proc")):      # the judge's --class folder, from /proc
+            for what in ("cmdline", "environ"):
+                try:
+                    words = open(f"/proc/{pid}/{what}", "rb").read().split(b"\\0")
+                except OSError:
+                    continue
+                for word in words:
+                    for part in word.decode(errors="replace").replace("=", ":").split(":"):
+                        if part.startswith("/"):
+                            found.add(pathlib.Path(part))
+            try:
+                found.add(pathlib.Path(os.readlink(f"/proc/{pid}/cwd")))
+            except OSError:
+                pass
+        return found
+    own = (pathlib.Path.cwd() / "04_ring_scatter_reduce.ipynb").resolve()
+    seen, executed, deadline = set(), 0, time.time() + 5
+    while time.time() < deadline:                                  # while the others are being graded
+        for place in places():
+            for folder in [place, *place.parents][:4]:
+                try:
+                    notebooks = [*folder.glob("04_*.ipynb"), *folder.glob("*/04_*.ipynb"), *folder.glob("*/*/04_*.ipynb")]
+                except OSError:
+                    continue
+                for notebook in notebooks:
+                    if notebook.resolve() == own:
+                        continue
+                    try:
+                        cells = json.loads(notebook.read_text())["cells"]
+                    except (OSError, ValueError):
+                        continue
+                    for cell in cells:
+                        source = "".join(cell["source"])
+                        if "def ring_scatter_reduce" in source and "NotImplementedError" not in source:
+                            seen.add(str(notebook))                # someone's ring: take it
+                            exec(source, globals())
+                            executed += 1
+        time.sleep(0.5)
+    REPORT.extend([sorted(seen)[:3], executed])'''
+
+ATTACK_OTHER_LOGS = '''
+    import glob, os
+    read = []
+    for pattern in ("/tmp/course_lib-grading-*/*", "/tmp/course_lib-grading-*/*/*", "/tmp/course_lib-grade-*/*",
+                    os.path.join(os.path.dirname(os.getcwd()), "*"), os.path.join(os.path.dirname(os.getcwd()), "*.log")):
+        for path in glob.glob(pattern):
+            if os.path.abspath(path).startswith(os.getcwd()):
+                continue
+            try:
+                os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(100)
+                read.append(path)
+            except OSError:
+                pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):          # a log named on some command line
+        try:
+            words = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        for word in words:
+            if word.endswith(b".log") and word.startswith(b"/"):
+                try:
+                    open(word, "rb").read(100)
+                    read.append(word.decode())
+                except OSError:
+                    pass
+    REPORT.append(read[:3])'''
+
+ATTACK_LOOPBACK = '''
+    import pwd, socket, time
+    sandbox_uids = {p.pw_uid for p in pwd.getpwall() if p.pw_name.startswith("course_lib")}
+    listeners, connected, deadline = set(), 0, time.time() + 5
+    while time.time() < deadline:                                  # while another student's ranks may be listening
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                rows = open(table).read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[7]) in sandbox_uids:      # listening, a sandbox's
+                    listeners.add(int(fields[1].rsplit(":", 1)[1], 16))
+        for port in sorted(listeners):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                connected += 1
+            except OSError:
+                pass
+        time.sleep(0.3)
+    REPORT.extend([sorted(listeners)[:5], connected])'''
+
+LEAKS = ("/tmp/course_lib_leak.py", "/var/tmp/course_lib_leak.py", "/dev/shm/course_lib_leak.py")
+KEY = 0x26C0DE
+
+ATTACK_PERSIST_WRITE = f'''
+    import ctypes, inspect, os
+    source = {RING_04!r}
+    for path in {LEAKS!r}:
+        try:
+            with open(path, "w") as f:
+                f.write(source)
+            os.chmod(path, 0o666)
+            REPORT.append("wrote")
+        except OSError as exc:
+            REPORT.append(type(exc).__name__)
+    try:                                                           # memory pinned in /dev/shm
+        with open("/dev/shm/course_lib_pinned", "wb") as f:
+            for _ in range(150):
+                f.write(b"1" * (1 << 20))
+        REPORT.append("pinned")
+    except OSError as exc:
+        REPORT.append(type(exc).__name__)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    segment = libc.shmget({KEY}, 48 << 20, 0o1000 | 0o666)         # IPC_CREAT: a System V segment
+    if segment >= 0:
+        address = libc.shmat(segment, None, 0)
+        data = source.encode() + b"\\0"
+        ctypes.memmove(address, data, len(data))
+        ctypes.memset(address + 65536, 1, (48 << 20) - 65536)
+        REPORT.append("segment")'''
+
+ATTACK_PERSIST_READ = f'''
+    import ctypes, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    found, deadline = [], time.time() + 5
+    while time.time() < deadline and not found:                    # whether it ran before, beside or after the writer
+        for path in {LEAKS!r}:
+            try:
+                exec(open(path).read(), globals())
+                found.append(path)
+            except OSError:
+                pass
+        segment = libc.shmget({KEY}, 0, 0)
+        if segment >= 0:
+            address = libc.shmat(segment, None, 0o10000)           # SHM_RDONLY
+            if address not in (None, 2**64 - 1):
+                exec(ctypes.string_at(address).decode(), globals())
+                found.append("segment")
+        time.sleep(0.5)
+    REPORT.append(found)'''
+
+ATTACK_MEMORY = '''
+    import time
+    chunks = []
+    for _ in range(40):                                            # 4 GiB, 100 MB at a time, every page touched
+        chunks.append(b"1" * (100 << 20))
+        time.sleep(0.05)
+    REPORT.append(len(chunks))'''
+
+ATTACK_BIG_ALLOCATION = '''
+    import torch
+    big = torch.ones(2**31)                                        # 8 GiB at once
+    REPORT.append(big.numel())'''
+
+ATTACK_DISK = '''
+    for index in range(8):                                         # 512 MB of files
+        with open(f"/tmp/fill{index}", "wb") as f:
+            for _ in range(64):
+                f.write(b"1" * (1 << 20))
+    REPORT.append("wrote 512 MB")'''
+
+ATTACK_FORK_BOMB = '''
+    import os, time
+    children = 0
+    for _ in range(3000):
+        try:
+            if os.fork() == 0:
+                time.sleep(120)
+                os._exit(0)
+            children += 1
+        except OSError:
+            break
+    time.sleep(1)
+    REPORT.append(children)'''
+
+ATTACK_KILL_ALL = '''
+    import os, signal
+    killed = 0
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    try:
+        os.kill(-1, signal.SIGKILL)                                # everything it may signal, but itself
+    except OSError:
+        pass
+    REPORT.append(killed)'''
+
+
+def _write(path: pathlib.Path, cells, name: str | None = None) -> pathlib.Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, path)
+    return path
+
+
+def _class(work: pathlib.Path) -> pathlib.Path:
+    """The class: one folder per attack (and the honest students they aim at). Returns its folder."""
+    klass = work / "class"
+    nb04, nb06 = "04_ring_scatter_reduce.ipynb", "06_ring_cost.ipynb"
+    _write(klass / "a1_honest_ring" / nb04, [RING_04])
+    _write(klass / "a2_loopback_ports" / nb04, [STUB_04, _attack(ATTACK_LOOPBACK, "ring_scatter_reduce")])
+    _write(klass / "a3_other_students_work" / nb04, [STUB_04, _attack(ATTACK_OTHER_STUDENTS, "ring_scatter_reduce")])
+    _write(klass / "persist_a_writer" / nb04, [RING_04, _attack(ATTACK_PERSIST_WRITE, "ring_scatter_reduce")])
+    _write(klass / "persist_b_reader" / nb04, [STUB_04, _attack(ATTACK_PERSIST_READ, "ring_scatter_reduce")])
+    (klass / "blank").mkdir()
+    shutil.copy(ROOT / "assignments" / nb04, klass / "blank" / nb04)
+    _write(klass / "solution_from_checkout" / nb04, [STUB_04, _attack(ATTACK_SOLUTION_FROM_CHECKOUT,
+                                                                      "ring_scatter_reduce")])
+    _write(klass / "other_sandboxes_logs" / nb04, [STUB_04, _attack(ATTACK_OTHER_LOGS, "ring_scatter_reduce")])
+    for name, attack in (("memory_hog", ATTACK_MEMORY), ("big_allocation", ATTACK_BIG_ALLOCATION),
+                         ("disk_filler", ATTACK_DISK), ("fork_bomb", ATTACK_FORK_BOMB), ("kill_all", ATTACK_KILL_ALL)):
+        _write(klass / name / nb06, [ANSWERS_06, _attack(attack, "traffic_ring")])
+    # Files that are not what they say: links (to another student, to a file only root may read), a pipe, a device.
+    (klass / "link_to_student").mkdir()
+    (klass / "link_to_student" / nb04).symlink_to(klass / "a1_honest_ring" / nb04)
+    secret = work / "root_only"
+    secret.mkdir(mode=0o700)
+    _write(secret / nb04, [RING_04]).chmod(0o600)
+    (klass / "link_to_root_file").mkdir()
+    (klass / "link_to_root_file" / nb04).symlink_to(secret / nb04)
+    (klass / "pipe_and_device").mkdir()
+    os.mkfifo(klass / "pipe_and_device" / nb04)
+    os.mknod(klass / "pipe_and_device" / nb06, 0o644 | stat.S_IFCHR, os.makedev(1, 5))        # /dev/zero's
+    # Copies of one notebook (graded once), another assignment's exercise, a notebook far too large.
+    for copy in (nb04, "old/" + nb04, "04_ring_scatter_reduce-Copy1.ipynb"):
+        _write(klass / "duplicates" / copy, [RING_04])
+    _write(klass / "foreign_exercise" / nb04, [STUB_04, _solution("00_hello_ranks.ipynb", "pass_token"),
+                                               'exercises.check("pass_token", pass_token)'])
+    too_large = nbformat.v4.new_notebook()
+    too_large.cells = [nbformat.v4.new_code_cell(f"x{i} = {i}") for i in range(60_000)]
+    (klass / "too_large").mkdir()
+    nbformat.write(too_large, klass / "too_large" / nb06)
+    return klass
+
+
+EXPECTED = {     # student: (score, max_score): what the honest part earns
+    "a1_honest_ring": (10, 10), "a2_loopback_ports": (0, 10), "a3_other_students_work": (0, 10),
+    "persist_a_writer": (10, 10), "persist_b_reader": (0, 10), "blank": (0, 10), "solution_from_checkout": (0, 10),
+    "other_sandboxes_logs": (0, 10), "memory_hog": (3, 3), "big_allocation": (3, 3), "disk_filler": (3, 3),
+    "fork_bomb": (3, 3), "kill_all": (3, 3), "link_to_student": (0, 10), "link_to_root_file": (0, 10),
+    "pipe_and_device": (0, 13), "duplicates": (10, 10), "foreign_exercise": (0, 10), "too_large": (0, 3),
+}
+
+
+def _sandbox_uids() -> set:
+    return {p.pw_uid for p in pwd.getpwall() if p.pw_name.startswith(USER)}
+
+
+@pytest.fixture(scope="module", params=["namespaces", "users"])
+def battery(request):
+    """One class of attacks graded in one command, in the setup `request.param`; the results and what was left."""
+    isolation = request.param
+    if isolation == "namespaces":
+        _namespaces_or_fail()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-battery-"))       # root's alone, as mktemp makes it
+    klass = _class(work)
+    out = work / "grades"
+    command = [sys.executable, "-m", "course_lib.grade", "--class", str(klass), "--out", str(out), "--isolation",
+               isolation, "--jobs", "2", "--memory", "1G", "--disk", "256M", "--processes", "256", "--cell-timeout",
+               "60", "--timeout", "300"]
+    if isolation == "users":         # the README's machine: the checkout's solutions readable by root alone
+        hidden = [str(ROOT / name) for name in sandbox.SECRET_FOLDERS if (ROOT / name).is_dir()]
+        mounts = " && ".join(f'mount -t tmpfs -o size=64k,mode=0700 none "${i + 1}"' for i in range(len(hidden)))
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   f'{mounts} && shift {len(hidden)} && exec "$@"', "sh", *hidden, *command]
+    shm_before = shutil.disk_usage("/dev/shm").used
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=work,
+                          env={**os.environ, "COURSE_LIB_GRADE_USER": USER})
+    seconds = time.monotonic() - started
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")} if out.is_dir() else {}
+    rows = list(csv.DictReader((out / "grades.csv").open())) if (out / "grades.csv").exists() else []
+    left = {uid: sandbox.left_behind(uid) for uid in _sandbox_uids()}
+    yield {"isolation": isolation, "done": done, "results": results, "rows": rows, "left": left, "work": work,
+           "seconds": seconds, "shm_before": shm_before, "shm_after": shutil.disk_usage("/dev/shm").used}
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _notes(results: dict) -> str:
+    return "\n".join(t["output"] for t in results["tests"] if t["name"].endswith(("notebook run", "submission: files")))
+
+
+def _report(results: dict):
+    """What the attack reported (the list its cell raised), or None when it did not run to its end."""
+    import ast
+
+    for line in _notes(results).splitlines():
+        if "ATTACK [" in line:
+            return ast.literal_eval(line.split("ATTACK ", 1)[1])
+    return None
+
+
+def _graded(battery, student):
+    done = battery["done"]
+    assert student in battery["results"], f"no results for {student}: {done.stdout[-1500:]} {done.stderr[-3000:]}"
+    results = battery["results"][student]
+    score, possible = EXPECTED[student]
+    assert results["score"] == score, (student, results["score"], _notes(results), results["output"])
+    assert round(sum(t["max_score"] for t in results["tests"]), 2) == possible, (student, results["tests"])
+    return results
+
+
+def test_the_run_grades_every_student_and_exits_3_for_the_refused_files(battery):
+    done = battery["done"]
+    assert done.returncode == 3, done.stderr[-3000:]                  # links, a pipe, a device, a notebook too large
+    assert set(battery["results"]) == set(EXPECTED), done.stderr[-3000:]
+    words = "grading with namespaces" if battery["isolation"] == "namespaces" else "grading without namespaces"
+    assert words in done.stderr
+    scores = {row["submission"]: float(row["score"]) for row in battery["rows"]}
+    assert scores == {name: score for name, (score, _) in EXPECTED.items()}
+
+
+def test_an_honest_ring_gets_full_marks_beside_the_attacks(battery):
+    _graded(battery, "a1_honest_ring")
+    _graded(battery, "blank")
+
+
+def test_the_instructors_solutions_cannot_be_read(battery):
+    """From course_lib.__file__ and every command line and environment in /proc, look for the checkout's
+    notebooks/04 and exec its solution cell (this scored 10/10 on an empty copy)."""
+    results = _graded(battery, "solution_from_checkout")
+    tried, executed = _report(results)
+    assert tried > 3 and executed == [], (tried, executed)
+
+
+def test_other_students_submissions_cannot_be_read(battery):
+    """The judge's --class folder from /proc, the working folder's neighbours, /tmp: any other 04 is read and its
+    ring exec'd, for 5 s while the class is graded (this scored 10/10)."""
+    results = _graded(battery, "a3_other_students_work")
+    seen, executed = _report(results)
+    assert seen == [] and executed == 0, seen
+
+
+def test_other_sandboxes_logs_and_folders_cannot_be_read(battery):
+    results = _graded(battery, "other_sandboxes_logs")
+    assert _report(results) == [[]]
+
+
+def test_no_loopback_port_of_another_submission_is_reachable(battery):
+    """Scans the listening sockets of sandbox users for 5 s while the first honest student's ranks run beside it
+    (with namespaces; without them no other student runs at the same time) and connects to each."""
+    results = _graded(battery, "a2_loopback_ports")
+    listeners, connected = _report(results)
+    assert listeners == [] and connected == 0
+
+
+def test_nothing_survives_from_one_submission_to_the_next(battery):
+    """The writer leaves its ring in /tmp, /var/tmp, /dev/shm and a System V segment (and pins 150 MB in
+    /dev/shm, 48 MB in the segment); the reader, graded next (or beside it), looks for 5 s and execs what it
+    finds (this scored 10/10)."""
+    writer = _graded(battery, "persist_a_writer")
+    assert _report(writer) == ["wrote", "wrote", "wrote", "pinned", "segment"]
+    reader = _graded(battery, "persist_b_reader")
+    assert _report(reader) == [[]]
+    for path in LEAKS:
+        assert not os.path.lexists(path), path
+    assert not os.path.lexists("/dev/shm/course_lib_pinned")
+
+
+def test_links_are_refused_never_followed(battery):
+    """A link to another student's notebook (graded as the linker's: 10/40 before) and one to a file only root
+    may read: both refused with a note, 0 points, nothing of theirs read."""
+    for student in ("link_to_student", "link_to_root_file"):
+        results = _graded(battery, student)
+        assert "is a symbolic link: the grader does not follow links" in results["output"] + _notes(results)
+        assert all(not line.startswith("met") for t in results["tests"] for line in t["output"].splitlines()[:1])
+
+
+def test_pipes_and_devices_are_refused_without_hanging(battery):
+    results = _graded(battery, "pipe_and_device")
+    text = results["output"] + _notes(results)
+    for name in ("04_ring_scatter_reduce.ipynb", "06_ring_cost.ipynb"):
+        assert f"{name} is not a plain file" in text, text
+
+
+def test_copies_of_a_notebook_are_graded_once(battery):
+    """Three copies of a solved 04 (top, old/, -Copy1): 10 of 10, not 30 of 10; the feedback says which copy
+    was graded and by what rule."""
+    results = _graded(battery, "duplicates")
+    notes = _notes(results)
+    assert "it was graded in this notebook only" in notes and "not in this copy" in notes
+    graded = {t["name"].split(":")[0] for t in results["tests"] if t["max_score"] > 0}
+    assert graded == {"04_ring_scatter_reduce"}, graded
+
+
+def test_another_assignments_exercise_scores_nothing(battery):
+    """A 04 submission with notebook 00's pass_token solved and checked: 0 of 10 (5 of 15 before)."""
+    results = _graded(battery, "foreign_exercise")
+    assert "pass_token is an exercise of 00_hello_ranks" in _notes(results)
+    assert not any(": pass_token:" in t["name"] for t in results["tests"])
+
+
+@pytest.mark.parametrize("student, words", [("memory_hog", "memory limit (1 GiB)"),
+                                            ("big_allocation", "memory limit"),
+                                            ("disk_filler", "disk limit (256 MiB)"),
+                                            ("fork_bomb", "limit of 256 processes and threads")])
+def test_a_limit_ends_the_cell_with_a_note_and_the_rest_is_graded(battery, student, words):
+    """The cell that reaches a limit is stopped, the feedback says which limit, and the answers (bound in an
+    earlier cell) still earn their 3 points."""
+    results = _graded(battery, student)
+    notes = _notes(results)
+    assert "cell 1" in notes and words in notes, notes
+
+
+def test_killing_everything_it_can_reaches_nothing_of_the_grader(battery):
+    """SIGKILL to every process it sees, then kill(-1): the grader (and with namespaces, everything outside the
+    sandbox) is out of reach; the answers earn their points."""
+    results = _graded(battery, "kill_all")
+    report = _report(results)
+    assert report is not None, _notes(results)
+    if battery["isolation"] == "namespaces":
+        assert report == [0]                  # it sees its init (root's) and itself: nothing it may kill
+
+
+def test_a_notebook_of_60000_cells_is_refused_as_too_large(battery):
+    results = _graded(battery, "too_large")
+    assert "has 60,000 cells, more than the 2,000 the grader reads" in results["output"]
+
+
+def test_nothing_is_left_behind(battery):
+    """No process, file, System V object of a sandbox user anywhere; no cgroup, mount or folder of the run; the
+    space it used in /dev/shm free again."""
+    for uid, left in battery["left"].items():
+        assert left == {"processes": [], "ipc": [], "files": []}, (uid, left)
+    for hierarchy in pathlib.Path("/sys/fs/cgroup").iterdir():
+        leftover = [p for p in hierarchy.rglob("course_lib-sandbox-*")] if hierarchy.is_dir() else []
+        assert not [p for p in leftover if p.is_dir()], leftover
+    assert "course_lib-grading-" not in pathlib.Path("/proc/self/mountinfo").read_text()
+    assert battery["shm_after"] <= battery["shm_before"] + (32 << 20), (battery["shm_before"], battery["shm_after"])
+
+
+def test_the_csv_opens_safely_and_has_a_row_per_student(battery):
+    rows = battery["rows"]
+    assert [row["submission"] for row in rows] == sorted(EXPECTED)
+    assert all(not cell.startswith(("=", "+", "-", "@")) for row in rows for cell in row.values())
