@@ -25,8 +25,10 @@ from course_lib.simulation import ModeledDeadlock, SimulationError, Simulator, a
 
 # One request: op, actor, request id, a, b, c, clock, x, length of what follows.
 REQUEST = struct.Struct("<B3xiqqqqddI4x")
-# One reply: status (0 ok, 1 error), matches that follow, detail (a source rank, a test's answer), clock.
-REPLY = struct.Struct("<iiqd")
+# One message to an actor: kind (REPLIED, FAILED, NOTICE), matches that follow, detail (a source rank, a test's
+# answer; for FAILED the length of the message text that follows), clock, the request it is about.
+REPLY = struct.Struct("<iiqdq")
+REPLIED, FAILED, NOTICE = 0, 1, 2   # NOTICE: a send the actor is not waiting on has left, at `clock`
 MATCH = struct.Struct("<qq")
 
 ISEND, IRECV, WAIT, TEST, COLLECTIVE, PARK, WAKE, CLOCK, DONE_ACTOR, DONE_RANK = range(1, 11)
@@ -36,10 +38,10 @@ DEADLOCK_GRACE = 0.5   # seconds of no frames, everyone waiting, before a deadlo
 
 
 class _Connection:
-    __slots__ = ("sock", "buffer", "actor")
+    __slots__ = ("sock", "buffer", "actor", "outbox")
 
     def __init__(self, sock):
-        self.sock, self.buffer, self.actor = sock, bytearray(), None
+        self.sock, self.buffer, self.actor, self.outbox = sock, bytearray(), None, bytearray()
 
 
 class Maestro:
@@ -54,7 +56,7 @@ class Maestro:
         self.listener.setblocking(False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
-        self.sockets: dict = {}          # actor id -> socket (for its replies)
+        self.sockets: dict = {}          # actor id -> its connection (for its replies)
         self.errors: dict = {}           # actor id -> a message for its next blocking call
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
@@ -107,10 +109,13 @@ class Maestro:
             while not self.stopping.is_set():
                 events = self.selector.select(timeout=0.1)
                 got_frames = False
-                for key, _mask in events:
+                for key, mask in events:
                     if key.fileobj is self.listener:
                         self._accept()
-                    else:
+                        continue
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(key.data)
+                    if mask & selectors.EVENT_READ:
                         got_frames |= self._read(key.data)
                 self._progress()
                 self._watch_for_deadlock(got_frames)
@@ -124,12 +129,14 @@ class Maestro:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
                 return
-            sock.setblocking(True)
+            sock.setblocking(False)      # written through an outbox: a full socket never stalls the simulation
             self.selector.register(sock, selectors.EVENT_READ, _Connection(sock))
 
     def _read(self, connection: _Connection) -> bool:
         try:
             data = connection.sock.recv(1 << 16)
+        except BlockingIOError:
+            return False
         except OSError:
             data = b""
         if not data:
@@ -147,12 +154,14 @@ class Maestro:
             offset += size + length
             if connection.actor is None:
                 connection.actor = fields[1]
-                self.sockets[fields[1]] = connection.sock
+                self.sockets[fields[1]] = connection
             self._apply(fields, payload)
         del buffer[:offset]
         return True
 
     def _closed(self, connection: _Connection) -> None:
+        if connection.sock.fileno() < 0:
+            return
         self.selector.unregister(connection.sock)
         connection.sock.close()
         if connection.actor is not None:
@@ -214,21 +223,42 @@ class Maestro:
                 detail = int(detail)
             elif detail is None:
                 detail = -1
-            reply = REPLY.pack(0, len(matches), detail, clock) + b"".join(MATCH.pack(h, s) for h, s in matches)
+            reply = (REPLY.pack(REPLIED, len(matches), detail, clock, _request)
+                     + b"".join(MATCH.pack(h, s) for h, s in matches))
             self._send(actor, reply)
+        notices, self.sim.notices = self.sim.notices, []
+        for actor, request, clock in notices:
+            self._send(actor, REPLY.pack(NOTICE, 0, -1, clock, request))
 
     def _send(self, actor: int, data: bytes) -> None:
-        sock = self.sockets.get(actor)
-        if sock is None:
+        connection = self.sockets.get(actor)
+        if connection is None:
             return
+        pending = bool(connection.outbox)
+        connection.outbox += data
+        if not pending:
+            self._flush(connection)
+
+    def _flush(self, connection: _Connection) -> None:
+        """Write what the socket takes now; wait for it to take the rest (never block the simulation)."""
         try:
-            sock.sendall(data)
+            sent = connection.sock.send(connection.outbox)
+        except BlockingIOError:
+            sent = 0
         except OSError:
+            connection.outbox.clear()
+            return
+        del connection.outbox[:sent]
+        wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.outbox else 0)
+        try:
+            if self.selector.get_key(connection.sock).events != wanted:
+                self.selector.modify(connection.sock, wanted, connection)
+        except (KeyError, ValueError):
             pass
 
     def _send_error(self, actor: int, message: str) -> None:
         text = message.encode()
-        self._send(actor, REPLY.pack(1, 0, len(text), 0.0) + text)
+        self._send(actor, REPLY.pack(FAILED, 0, len(text), 0.0, 0) + text)
 
     def _watch_for_deadlock(self, got_frames: bool) -> None:
         text = self.sim.deadlock()

@@ -156,6 +156,7 @@ class Simulator:
         self.collectives: dict = {}          # (group, seq) -> _Collective
         self.woken: list = []                # (actor, request, time, detail) to hand back from run()
         self.matches: dict = {}              # rank -> [(request, source)] matched since last asked
+        self.notices: list = []              # (actor, request, time): sends that left while nobody waited on them
         self.messages = 0
         self.bytes_out = [0] * world_size
         self.bytes_in = [0] * world_size
@@ -444,6 +445,9 @@ class Simulator:
         actor = request.actor
         if actor.state == BLOCKED and actor.waiting is request and actor.deadline is None:
             self._wake(actor, request)
+        elif request.kind == "send":
+            # told at once, so a later wait on it need not ask (a rank's wait on its send then costs no round trip)
+            self.notices.append((actor.id, request.id, time))
 
     def _wake(self, actor: _Actor, request: _Request) -> None:
         if request.done > actor.clock:
