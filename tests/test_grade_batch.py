@@ -1,5 +1,6 @@
-"""Grading a class in one command: 20 synthetic students, progress on stderr, one results file per student, a CSV
-with one column per exercise; nbgrader's submitted/ folders; and what the cell plan keeps and leaves out.
+"""Grading a class in one command: 20 synthetic students (copies, a link, a blank copy, slips, names a spreadsheet
+would run, a hostile notebook), progress on stderr, one results file per student, a CSV with one column per
+exercise; nbgrader's submitted/ folders; and what the cell plan keeps and leaves out.
 
 The students' notebook is notebook 06's answers (three formula questions), so each grading costs about the
 sandbox's start: the test is about the batch, not the checks. The scores are compared with the learner's own
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +22,8 @@ import pytest
 from course_lib import exercises
 from course_lib.exercises import registry
 from course_lib.grade import cells, cli
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 QUESTIONS = ("traffic_ring", "traffic_ring_per_rank", "ring_steps")
 # Answers a class gives: right, the known slips (partial credit), nothing yet, a lambda, nonsense.
@@ -62,28 +66,90 @@ def _expected(answers: dict) -> dict:
     return {name: exercises.check(name, namespace[name]).score for name in QUESTIONS}
 
 
-def test_twenty_students_in_one_command_with_progress_a_file_each_and_a_csv(tmp_path):
-    students = {f"student{i:02d}": ANSWERS[i % len(ANSWERS)] for i in range(20)}
-    for name, answers in students.items():
-        _write_notebook(tmp_path / "class" / name / "06_ring_cost.ipynb", _source(answers))
+HOSTILE = '''
+import glob, os, signal, time
+stolen = []
+for path in glob.glob("/tmp/*/class/*/06_ring_cost.ipynb") + glob.glob("/tmp/*/*/*/06_ring_cost.ipynb"):
+    try:
+        stolen.append(open(path).read()[:10])          # another student's answers
+    except OSError:
+        pass
+chunks = []
+for _ in range(15):                                      # 1.5 GB, more than its 1 GiB
+    chunks.append(b"1" * (100 << 20))
+for _ in range(400):                                     # and processes, more than its 256
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    except OSError:
+        break
+os.kill(-1, signal.SIGKILL)
+traffic_ring = traffic_ring
+'''
+FORMULA_NAMES = ('=HYPERLINK("https:example.com","open me")', "+1+2", "-3", "@SUM(A1)")
+
+
+def _class_of_twenty(folder: pathlib.Path) -> dict:
+    """20 students of notebook 06: {name: what each earns} (the learner's own check of their answers, here)."""
+    expected = {}
+    for i in range(12):
+        _write_notebook(folder / f"student{i:02d}" / "06_ring_cost.ipynb", _source(ANSWERS[i % len(ANSWERS)]))
+        expected[f"student{i:02d}"] = sum(_expected(ANSWERS[i % len(ANSWERS)]).values())
+    # Three copies, the one at the top right: graded once, the top one (the rule), 3 of 3, not 9 of 3.
+    _write_notebook(folder / "dup" / "06_ring_cost.ipynb", _source(ANSWERS[0]))
+    _write_notebook(folder / "dup" / "old" / "06_ring_cost.ipynb", _source(ANSWERS[2]))
+    _write_notebook(folder / "dup" / "06_ring_cost-Copy1.ipynb", _source(ANSWERS[5]))
+    expected["dup"] = 3
+    (folder / "link").mkdir()                               # another student's notebook, linked: refused
+    (folder / "link" / "06_ring_cost.ipynb").symlink_to(folder / "student00" / "06_ring_cost.ipynb")
+    expected["link"] = 0
+    (folder / "blank").mkdir()
+    shutil.copy(ROOT / "assignments" / "06_ring_cost.ipynb", folder / "blank")
+    expected["blank"] = 0
+    for index, name in enumerate(FORMULA_NAMES):             # names a spreadsheet would read as formulas
+        _write_notebook(folder / name / "06_ring_cost.ipynb", _source(ANSWERS[index % 2]))
+        expected[name] = sum(_expected(ANSWERS[index % 2]).values())
+    notebook = nbformat.v4.new_notebook()                    # right answers, then everything a cell can throw
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(_source(ANSWERS[0])), nbformat.v4.new_code_cell(HOSTILE)]
+    (folder / "hostile").mkdir()
+    nbformat.write(notebook, folder / "hostile" / "06_ring_cost.ipynb")
+    expected["hostile"] = 3
+    assert len(expected) == 20
+    return expected
+
+
+def test_a_class_of_twenty_with_copies_a_link_a_blank_copy_slips_and_a_hostile_notebook(tmp_path):
+    """One command grades 20 students: every score is the learner's own check of their answers (so the hostile
+    notebook, which fills its memory and processes, kills what it can and reads what it finds, changes no one
+    else's grade), with progress on stderr, a results file each and a CSV that opens safely."""
+    expected = _class_of_twenty(tmp_path / "class")
     out = tmp_path / "grades"
     done = subprocess.run([sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / "class"), "--out",
-                           str(out), "--jobs", "2"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert done.returncode == cli.EXIT_OK, done.stderr[-3000:]
+                           str(out), "--jobs", "2", "--memory", "1G", "--processes", "256"], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == cli.EXIT_UNREADABLE, done.stderr[-3000:]         # the link was refused
     progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
     assert len(progress) == 20 and progress[-1].startswith("[20/20] ") and "left" in progress[0]
     rows = list(csv.DictReader((out / "grades.csv").open()))
-    assert [row["submission"] for row in rows] == sorted(students)
     assert list(rows[0]) == ["submission", "score", "max_score", "status", *QUESTIONS]
-    for row in rows:
-        expected = _expected(students[row["submission"]])
-        assert {name: float(row[name]) for name in QUESTIONS} == expected, row
-        assert float(row["score"]) == pytest.approx(sum(expected.values())) and row["status"] == "graded"
-        results = json.loads((out / f"{row['submission']}.json").read_text())
-        assert results["score"] == pytest.approx(sum(expected.values()))
-        lines = {t["name"].split(": ", 1)[1]: t for t in results["tests"]}
-        assert set(lines) == {f"{q}: {line.key}" for q in QUESTIONS for line in registry.get(q).rubric}
-    partial = next(row for row in rows if row["submission"] == "student01")
+    for cell in (value for row in rows for value in row.values()):
+        assert not cell.startswith(("=", "+", "-", "@")), cell            # no cell a spreadsheet runs
+    shown = {row["submission"]: row for row in rows}
+    for name, score in expected.items():
+        row = shown["'" + name if name.startswith(("=", "+", "-", "@")) else name]
+        assert float(row["score"]) == pytest.approx(score) and float(row["max_score"]) == 3, (name, row)
+        assert row["status"] == ("refused" if name == "link" else "graded"), (name, row)
+    for name in expected:
+        results = json.loads((out / f"{cli._file_name(name)}.json").read_text())
+        assert results["score"] == pytest.approx(expected[name])
+    dup = json.loads((out / "dup.json").read_text())
+    notes = "\n".join(t["output"] for t in dup["tests"] if t["max_score"] == 0)
+    assert notes.count("graded in this notebook only") == 2 and notes.count("not in this copy") == 2
+    hostile = json.loads((out / "hostile.json").read_text())
+    assert "limit" in "\n".join(t["output"] for t in hostile["tests"] if t["max_score"] == 0)
+    partial = shown["student01"]
     assert 0 < float(partial["traffic_ring"]) < 1                 # a known slip keeps the line it got right
 
 

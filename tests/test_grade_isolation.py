@@ -346,10 +346,10 @@ def _class(work: pathlib.Path) -> pathlib.Path:
         _write(klass / "duplicates" / copy, [RING_04])
     _write(klass / "foreign_exercise" / nb04, [STUB_04, _solution("00_hello_ranks.ipynb", "pass_token"),
                                                'exercises.check("pass_token", pass_token)'])
-    too_large = nbformat.v4.new_notebook()
-    too_large.cells = [nbformat.v4.new_code_cell(f"x{i} = {i}") for i in range(60_000)]
     (klass / "too_large").mkdir()
-    nbformat.write(too_large, klass / "too_large" / nb06)
+    (klass / "too_large" / nb06).write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "id": f"c{i}", "metadata": {}, "execution_count": None, "outputs": [],
+         "source": f"x{i} = {i}"} for i in range(60_000)]}))
     return klass
 
 
@@ -498,7 +498,7 @@ def test_copies_of_a_notebook_are_graded_once(battery):
     was graded and by what rule."""
     results = _graded(battery, "duplicates")
     notes = _notes(results)
-    assert "it was graded in this notebook only" in notes and "not in this copy" in notes
+    assert "graded in this notebook only" in notes and "not in this copy" in notes
     graded = {t["name"].split(":")[0] for t in results["tests"] if t["max_score"] > 0}
     assert graded == {"04_ring_scatter_reduce"}, graded
 

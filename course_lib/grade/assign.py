@@ -243,6 +243,7 @@ def plan_submission(paths, assignment: list | None = None, root=None) -> Submiss
             return len(plan.path.parts)
 
     missing = []
+    also: dict = {}          # chosen notebook's index -> {names}, and (other, chosen) -> {names}: one note each
     for name in wanted:
         candidates = [p for p in plans if name in p.found]
         if not candidates:
@@ -253,12 +254,14 @@ def plan_submission(paths, assignment: list | None = None, root=None) -> Submiss
                                        depth(p), str(p.path)))
         chosen, others = candidates[0], candidates[1:]
         chosen.grade.append(name)
-        if others:
-            where = ", ".join(safe_name(_relative(p.path, root)) for p in others)
-            chosen.notes.append(f"{name} is also in {where}; it was graded in this notebook only ({RULE})")
-            for other in others:
-                other.notes.append(f"{name} was graded in {safe_name(_relative(chosen.path, root))}, not in this "
-                                   f"copy ({RULE})")
+        for other in others:
+            also.setdefault((plans.index(chosen), plans.index(other)), []).append(name)
+    for (chosen, other), names in also.items():
+        listed = ", ".join(names)
+        plans[chosen].notes.append(f"{listed}: also in {safe_name(_relative(plans[other].path, root))}; graded in this "
+                                   f"notebook only ({RULE})")
+        plans[other].notes.append(f"{listed}: graded in {safe_name(_relative(plans[chosen].path, root))}, not in "
+                                  f"this copy ({RULE})")
     for plan in plans:
         for name in plan.found:
             if name not in wanted:
