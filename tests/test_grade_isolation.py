@@ -553,3 +553,66 @@ def test_the_csv_opens_safely_and_has_a_row_per_student(battery):
     rows = battery["rows"]
     assert [row["submission"] for row in rows] == sorted(EXPECTED)
     assert all(not cell.startswith(("=", "+", "-", "@")) for row in rows for cell in row.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Without root
+# --------------------------------------------------------------------------------------------------
+
+ATTACK_AS_THE_GRADERS_USER = '''
+    import os, subprocess
+    for what, attempt in (("secret", lambda: open(SECRET).read()),
+                          ("remount", lambda: subprocess.run(["mount", "-o", "remount,rw", COURSE_LIB],
+                                                             capture_output=True).returncode),
+                          ("write", lambda: open(os.path.join(COURSE_LIB, "planted.py"), "w").write("x")),
+                          ("processes", lambda: len([p for p in os.listdir("/proc") if p.isdigit()])),
+                          ("capabilities", lambda: next(l.split()[1] for l in open("/proc/self/status")
+                                                        if l.startswith("CapEff")))):
+        try:
+            REPORT.append((what, attempt()))
+        except OSError as exc:
+            REPORT.append((what, type(exc).__name__))'''
+
+
+def test_without_root_a_user_namespace_isolates_or_the_grader_refuses(tmp_path):
+    """The grader run by an ordinary user (nobody): where the kernel allows user namespaces, the sandbox gets its
+    namespaces all the same, runs without any capability, and cannot see that user's own files; where it does
+    not, the grader refuses (exit 2, saying why and what to do) unless told --isolation none."""
+    nobody = pwd.getpwnam("nobody")
+    python, environment = sandbox.sandbox_python(sandbox.SandboxUser("nobody", nobody.pw_uid, nobody.pw_gid))
+    home = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-nobody-"))
+    try:
+        home.chmod(0o755)
+        secret = home / "private.txt"
+        secret.write_text("the grader's own file")
+        course_lib_dir = pathlib.Path(environment["PYTHONPATH"].split(os.pathsep)[0]) / "course_lib"
+        attack = ATTACK_AS_THE_GRADERS_USER.replace("SECRET", repr(str(secret))).replace(
+            "COURSE_LIB", repr(str(course_lib_dir)))
+        _write(home / "06_ring_cost.ipynb", [ANSWERS_06, _attack(attack, "traffic_ring")])
+        for path in (home, secret, home / "06_ring_cost.ipynb"):
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        secret.chmod(0o600)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "MPLCONFIGDIR": str(home / ".mpl"),
+               **environment}
+
+        def as_nobody(*args):
+            return subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                                   python, *args], capture_output=True, text=True, timeout=300, cwd=home, env=env)
+        userns = as_nobody(sandbox.WARDEN, "--probe", "--userns").stdout.strip() == "ok"
+        done = as_nobody("-m", "course_lib.grade", "06_ring_cost.ipynb", "--json", "results.json")
+        if not userns:
+            assert done.returncode == 2 and "no isolation is available" in done.stderr, done.stderr[-2000:]
+            done = as_nobody("-m", "course_lib.grade", "06_ring_cost.ipynb", "--json", "results.json",
+                             "--isolation", "none")
+            assert done.returncode == 0 and "grading without isolation" in done.stderr, done.stderr[-2000:]
+            return
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "grading with namespaces: each notebook runs as your user without any privilege" in done.stderr
+        results = json.loads((home / "results.json").read_text())
+        assert results["score"] == 3, results
+        report = dict(_report(results))
+        assert report["secret"] == "FileNotFoundError" and report["remount"] != 0 and report["write"] == "OSError"
+        assert report["processes"] == 2 and int(report["capabilities"], 16) == 0, report
+        assert not (course_lib_dir / "planted.py").exists()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

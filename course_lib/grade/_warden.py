@@ -805,9 +805,13 @@ def _map_user_namespace():
     kernel runs), owning the PID namespace to come."""
     uid, gid = os.getuid(), os.getgid()
     _unshare(CLONE_NEWUSER | CLONE_NEWPID)
-    _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+    _prctl(PR_SET_DUMPABLE, 1)          # an undumpable process's /proc/self is root's: it could not write its maps
+    try:
+        _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+    finally:
+        _prctl(PR_SET_DUMPABLE, 0)
 
 
 def _start_namespaces(config, log_fd, keep, cgroups):
