@@ -67,6 +67,9 @@ def _solution(notebook: str, grade_id: str) -> str:
 
 RING_04 = "import torch, torch.distributed as dist\nfrom course_lib import exercises\n\n" + \
     _solution("04_ring_scatter_reduce.ipynb", "ring_scatter_reduce")
+# What marks the honest students' rings as this class's: the attack on other students' work takes what carries it
+# (a solved notebook some other user left readable elsewhere on the machine is not another submission).
+CLASSMATE = "# a classmate's ring"
 
 
 def _attack(source: str, rebind: str) -> str:
@@ -109,6 +112,7 @@ ATTACK_SOLUTION_FROM_CHECKOUT = '''
 
 ATTACK_OTHER_STUDENTS = '''
     import os, json, pathlib, time
+    CLASSMATE = CLASSMATE_MARK
     def places():
         found = {pathlib.Path.cwd(), pathlib.Path("/tmp"), pathlib.Path("/var/tmp"), pathlib.Path.home()}
         for pid in filter(str.isdigit, os.listdir("/proc")):      # the judge's --class folder, from /proc
@@ -144,12 +148,12 @@ ATTACK_OTHER_STUDENTS = '''
                         continue
                     for cell in cells:
                         source = "".join(cell["source"])
-                        if "def ring_scatter_reduce" in source and "NotImplementedError" not in source:
-                            seen.add(str(notebook))                # someone's ring: take it
+                        if CLASSMATE in source:                    # a classmate's ring: take it
+                            seen.add(str(notebook))
                             exec(source, globals())
                             executed += 1
         time.sleep(0.5)
-    REPORT.extend([sorted(seen)[:3], executed])'''
+    REPORT.extend([sorted(seen)[:3], executed])'''.replace("CLASSMATE_MARK", repr(CLASSMATE))
 
 ATTACK_OTHER_LOGS = '''
     import glob, os
@@ -203,6 +207,8 @@ ATTACK_LOOPBACK = '''
 
 LEAKS = ("/tmp/course_lib_leak.py", "/var/tmp/course_lib_leak.py", "/dev/shm/course_lib_leak.py")
 KEY = 0x26C0DE
+_NUMBERS = sandbox._warden_module()._SYSCALLS.get(os.uname().machine, (0, {}))[1]
+ADD_KEY, REQUEST_KEY, KEYCTL = (_NUMBERS.get(name, -1) for name in ("add_key", "request_key", "keyctl"))
 
 ATTACK_PERSIST_WRITE = f'''
     import ctypes, inspect, os
@@ -230,7 +236,10 @@ ATTACK_PERSIST_WRITE = f'''
         data = source.encode() + b"\\0"
         ctypes.memmove(address, data, len(data))
         ctypes.memset(address + 65536, 1, (48 << 20) - 65536)
-        REPORT.append("segment")'''
+        REPORT.append("segment")
+    payload = source.encode()                                      # the user's key ring, which outlives a process
+    key = libc.syscall({ADD_KEY}, b"user", b"course_lib_leak", payload, len(payload), -4)
+    REPORT.append("key" if key >= 0 else "key refused")'''
 
 ATTACK_PERSIST_READ = f'''
     import ctypes, time
@@ -244,6 +253,12 @@ ATTACK_PERSIST_READ = f'''
                 found.append(path)
             except OSError:
                 pass
+        key = libc.syscall({REQUEST_KEY}, b"user", b"course_lib_leak", None, 0)
+        if key >= 0:
+            buffer = ctypes.create_string_buffer(1 << 16)
+            size = libc.syscall({KEYCTL}, 11, key, buffer, 1 << 16)          # KEYCTL_READ
+            exec(buffer.raw[:size].decode(), globals())
+            found.append("key")
         segment = libc.shmget({KEY}, 0, 0)
         if segment >= 0:
             address = libc.shmat(segment, None, 0o10000)           # SHM_RDONLY
@@ -317,7 +332,7 @@ def _class(work: pathlib.Path) -> pathlib.Path:
     """The class: one folder per attack (and the honest students they aim at). Returns its folder."""
     klass = work / "class"
     nb04, nb06 = "04_ring_scatter_reduce.ipynb", "06_ring_cost.ipynb"
-    _write(klass / "a1_honest_ring" / nb04, [RING_04])
+    _write(klass / "a1_honest_ring" / nb04, [RING_04 + "\n" + CLASSMATE])
     _write(klass / "a2_loopback_ports" / nb04, [STUB_04, _attack(ATTACK_LOOPBACK, "ring_scatter_reduce")])
     _write(klass / "a3_other_students_work" / nb04, [STUB_04, _attack(ATTACK_OTHER_STUDENTS, "ring_scatter_reduce")])
     _write(klass / "persist_a_writer" / nb04, [RING_04, _attack(ATTACK_PERSIST_WRITE, "ring_scatter_reduce")])
@@ -469,7 +484,7 @@ def test_nothing_survives_from_one_submission_to_the_next(battery):
     /dev/shm, 48 MB in the segment); the reader, graded next (or beside it), looks for 5 s and execs what it
     finds (this scored 10/10)."""
     writer = _graded(battery, "persist_a_writer")
-    assert _report(writer) == ["wrote", "wrote", "wrote", "pinned", "segment"]
+    assert _report(writer) == ["wrote", "wrote", "wrote", "pinned", "segment", "key refused"]
     reader = _graded(battery, "persist_b_reader")
     assert _report(reader) == [[]]
     for path in LEAKS:
@@ -616,3 +631,39 @@ def test_without_root_a_user_namespace_isolates_or_the_grader_refuses(tmp_path):
         assert not (course_lib_dir / "planted.py").exists()
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_sandbox_is_refused_key_rings_and_new_namespaces():
+    """The seccomp filter every sandbox's kernel runs under: the kernel's key rings (a user's, shared by all its
+    processes and outliving them) and making namespaces are refused; forks, threads and subprocesses work."""
+    machine = os.uname().machine
+    if sandbox._warden_module().seccomp_program(machine) is None:
+        pytest.fail(f"no seccomp filter for {machine}: add its system call numbers to _warden._SYSCALLS")
+    script = textwrap.dedent(f"""
+        import ctypes, importlib.util, os, subprocess, threading
+        spec = importlib.util.spec_from_file_location("warden", {sandbox.WARDEN!r})
+        warden = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(warden)
+        warden._prctl(warden.PR_SET_NO_NEW_PRIVS, 1)
+        assert warden._seccomp()
+        libc = ctypes.CDLL(None, use_errno=True)
+        numbers = warden._SYSCALLS[os.uname().machine][1]
+        out = []
+        for name, args in (("keyctl", (0, -4, 0)), ("add_key", (b"user", b"k", b"v", 1, -4)), ("unshare", (0x10000000,))):
+            out.append((name, libc.syscall(numbers[name], *args), ctypes.get_errno()))
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        out.append(("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+        thread = threading.Thread(target=lambda: out.append(("thread", 1)))
+        thread.start()
+        thread.join()
+        out.append(("subprocess", subprocess.run(["true"]).returncode))
+        print(out)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    import ast
+
+    assert ast.literal_eval(done.stdout) == [("keyctl", -1, 1), ("add_key", -1, 1), ("unshare", -1, 1), ("fork", 7),
+                                            ("thread", 1), ("subprocess", 0)]

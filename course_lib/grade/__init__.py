@@ -5,15 +5,18 @@
     from course_lib.grade import grade_notebook, grade_submissions, collect_class
     grade = grade_notebook("alice/04_ring_scatter_reduce.ipynb")       # a NotebookGrade: tests, notes, score
 
-The submission's cells and the learner's functions run in a sandbox (`sandbox`, `kernel`): a process of their
-own below a warden that lets nothing outlive the grading, as an unprivileged user when the grader is root. The
-judge (`judge`) never runs the submission's code: it asks the sandbox for data only (values, the ranks'
-records), computes the cases, the inputs, the oracle and every point itself, and writes the results after the
-sandbox is gone. What it still trusts, and why: docs/architecture.md.
+The submission's cells and the learner's functions run in a sandbox (`sandbox`, `kernel`): processes of their
+own below a warden that holds them to their limits and lets nothing outlive the grading; with namespaces (root on
+Linux, or a user namespace) they see nothing of the host but Python, the packages and course_lib, read-only, and a
+private temporary area; without them, as a user of their own, one student at a time, everything that user owns
+removed after. The judge (`judge`) never runs the submission's code: it asks the sandbox for data only (values,
+the ranks' records), computes the cases, the inputs, the oracle and every point itself, and writes the results
+after the sandbox is gone. What a submission is graded on (its assignment, one copy per exercise) is decided from
+its files alone (`assign`). What it still trusts, and why: docs/architecture.md.
 
-Modules: cli (the command), batch (many notebooks in parallel), judge (one notebook), cells (which cells the
-answers need), notebook (reading one), sandbox / kernel / channel / _warden (the sandbox), results (table,
-results.json, CSV), gradescope (the autograder zip).
+Modules: cli (the command), batch (many notebooks in parallel), assign (what each notebook is graded on), judge
+(one notebook), cells (which cells the answers need), notebook (reading one safely), sandbox / kernel / channel /
+_warden (the sandbox), results (table, results.json, CSV), gradescope (the autograder zip).
 """
 
 from __future__ import annotations

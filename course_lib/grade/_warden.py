@@ -60,6 +60,7 @@ IPC_RMID = 0
 HOME = "/home/sandbox"
 SKELETON_BYTES = 8 << 20
 POLL = 0.1                      # seconds between two looks at the limits' counters
+LOG_BYTES = 64 << 10            # the end of the kernel's own output kept for the judge's log
 SLOW_POLL = 0.5                 # seconds between two sums of the processes' memory (where no cgroup counts it)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -627,9 +628,64 @@ def _become_kernel(config, log_fd, keep):
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _seccomp()
     os.chdir(config["cwd"])
     command = config["command"]
     os.execve(command[0], command, config["env"])
+
+
+# System calls the sandbox is refused (seccomp), per machine: the kernel's key rings, which outlive a process and
+# are shared by all processes of a user (a submission could leave a solution there for the next one graded as
+# the same user), and making namespaces (much of the kernel's attack surface; the sandbox needs none).
+# clone3 is refused with ENOSYS (its flags are behind a pointer a filter cannot read): the C library then uses
+# clone, whose namespace flags are refused. {machine: (audit arch, {name: number})}
+_SYSCALLS = {
+    "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272, "setns": 308,
+                            "clone": 56, "clone3": 435}),
+    "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "unshare": 97, "setns": 268,
+                             "clone": 220, "clone3": 435}),
+}
+_NAMESPACE_FLAGS = (CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+                    | 0x02000000)            # CLONE_NEWCGROUP
+
+
+def seccomp_program(machine):
+    """The classic BPF program of the filter for `machine`, as (code, jt, jf, k) tuples; None where unknown."""
+    if machine not in _SYSCALLS:
+        return None
+    arch, numbers = _SYSCALLS[machine]
+    load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06          # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    allow, refuse, missing = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    refused = [numbers[name] for name in ("add_key", "request_key", "keyctl", "unshare", "setns")]
+    # Another machine's calls (i386's int 0x80, with other numbers) are refused whole, and so are x32's.
+    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (load, 0, 0, 0)]
+    if machine == "x86_64":
+        program += [(jset, 0, 1, 0x40000000), (ret, 0, 0, refuse)]
+    for number in refused:
+        program += [(jeq, 0, 1, number), (ret, 0, 0, refuse)]
+    program += [(jeq, 0, 1, numbers["clone3"]), (ret, 0, 0, missing)]
+    program += [(jeq, 1, 0, numbers["clone"]), (ret, 0, 0, allow),
+                (load, 0, 0, 16), (jset, 0, 1, _NAMESPACE_FLAGS), (ret, 0, 0, refuse), (ret, 0, 0, allow)]
+    return program
+
+
+def _seccomp():
+    """Install the filter above on this process (and all it starts). Needs no privilege once no_new_privs is set."""
+    program = seccomp_program(os.uname().machine)
+    if program is None:
+        return False
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*[Filter(*entry) for entry in program])
+    prog = Program(len(program), filters)
+    if _libc.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(prog), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise _os_error("seccomp")                          # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    return True
 
 
 def _open_fds():
@@ -885,8 +941,12 @@ def run(config):
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    log_fd = os.open(config["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # The kernel's own output comes through a pipe and only its last LOG_BYTES are kept: a sandbox that prints
+    # without end fills nothing of the host's disk.
+    output, log_fd = os.pipe()
     os.set_inheritable(log_fd, True)
+    os.set_blocking(output, False)
+    log = _Log(output)
     cgroups = None
     if config.get("cgroups") and os.geteuid() == 0:
         cgroups = Cgroups(f"course_lib-sandbox-{os.getpid()}", config["memory"], config["processes"])
@@ -899,11 +959,14 @@ def run(config):
         else:
             kernel = _start_plain(config, log_fd, keep, cgroups)
     except BaseException as exc:  # noqa: BLE001
-        print(f"failed {type(exc).__name__}: {exc}", flush=True)
+        os.close(log_fd)
         if init:
             _kill_below(os.getpid(), init)
         if cgroups:
             cgroups.remove()
+        log.read()
+        log.write(config["log"])
+        print(f"failed {type(exc).__name__}: {exc}", flush=True)
         return 1
     for fd in (log_fd, *keep):
         os.close(fd)
@@ -913,8 +976,10 @@ def run(config):
     left_when_ended = None
     pending = b""
     while not stopping:
-        watched = [sys.stdin] + ([report] if report is not None else [])
+        watched = [sys.stdin, output] + ([report] if report is not None else [])
         ready, _, _ = select.select(watched, [], [], POLL)
+        if output in ready:
+            log.read()
         asked = False
         if sys.stdin in ready:
             data = os.read(sys.stdin.fileno(), 256)
@@ -939,13 +1004,43 @@ def run(config):
             break
         if asked:                  # the judge asks after every cell and check: "ok" unless a limit was reached
             print("ok", flush=True)
+    log.read()
     left = _kill_below(os.getpid(), first, spare=(kernel,))
     if left_when_ended is not None:
         left = left_when_ended
     if cgroups:
         cgroups.remove()
+    log.read()
+    log.write(config["log"])
     print(f"clean {left}", flush=True)
     return 0
+
+
+class _Log:
+    """The last LOG_BYTES the kernel wrote to its stdout and stderr."""
+
+    def __init__(self, fd):
+        self.fd, self.data = fd, b""
+
+    def read(self):
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.data = (self.data + chunk)[-LOG_BYTES:]
+
+    def write(self, path):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.data)
+        except OSError:
+            pass
 
 
 def probe(userns=False):

@@ -19,6 +19,8 @@ With --nbgrader, --assignment names nbgrader's folder (and the course's assignme
 The sandbox: --isolation auto|namespaces|users|none (auto: the strongest this machine gives; see
 course_lib.grade.sandbox), and each notebook's limits --memory SIZE (4G), --disk SIZE (1G), --processes N (1024).
 A notebook that reaches one is stopped with a note saying which, and graded on what it did without that cell.
+As root the sandboxes run as course_lib_grader, course_lib_grader1, ... (made when missing); the environment
+variable COURSE_LIB_GRADE_USER names them otherwise.
 
 A class writes OUT/<student>.json (Gradescope's results.json format, one test per rubric line) for every
 student and OUT/grades.csv (one row per student, one column per exercise); with --nbgrader also

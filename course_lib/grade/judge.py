@@ -261,11 +261,11 @@ class _Session:
 
     def stop(self) -> None:
         if self.box is not None:
+            started = time.monotonic()
+            self.left_running += max(0, self.box.stop())
             tail = self.box.log_tail(600)
             if tail:
                 self.log_tail = tail
-            started = time.monotonic()
-            self.left_running += max(0, self.box.stop())
             if self.box.limit_hit and self.isolation == "users" and self.user is not None:
                 # Without namespaces what it wrote outside its folder (the disk it filled) lies in the shared
                 # folders until the student's sweep: remove it now, so the notebook can run again without it.
