@@ -21,8 +21,10 @@ mode="sync": the server waits for one gradient from every worker, averages them 
 mode="async": the server applies each gradient the moment it arrives and replies only to its
     sender. Nobody waits for anybody: a fast worker keeps cycling through its shard (epoch after
     epoch) and contributes more gradients than a slow one, and a gradient may have been computed on
-    parameters several updates old. With ``max_staleness=s`` the server refuses gradients older
-    than s updates; the refused worker gets the current parameters and recomputes the same batch.
+    parameters several updates old. "First" is by arrival: under a modeled network, the push with the
+    earliest modeled arrival, so the run is the same every time. With ``max_staleness=s`` the server
+    refuses gradients older than s updates; the refused worker gets the current parameters and
+    recomputes the same batch.
     After as many updates as the sync run has gradients (`epochs` passes over the data), the
     server answers every worker's next push with *stop*; that last gradient is discarded. Each
     worker has at most one push in flight, so every run ends with no message left unanswered.
@@ -73,12 +75,13 @@ class ServerLog:
         worker: per update, the worker whose gradient was applied (-1 in sync mode: all of them).
         batch_loss: per update, the loss the worker(s) measured on their batch (with stale parameters).
         loss: per update, the loss over the whole dataset right after the update (with evaluate=True).
-        time: per update, seconds since training started.
+        time: per update, seconds since training started, on `course_lib.clock()`: modeled seconds under
+            `launch(..., network=...)` (the same on every run), this machine's clock otherwise.
         initial_loss: the whole-dataset loss before the first update.
         rejected: per worker rank, how many gradients the server refused as too stale.
         pushes: per worker rank, how many gradients the server considered (accepted + rejected; in
             async mode not counting the one that arrived after the last update and was answered 'stop').
-        elapsed: seconds from the start to the last update.
+        elapsed: seconds from the start to the last update (the same clock as `time`).
         parameters: the final parameters (flat, CPU).
     """
 
@@ -107,7 +110,8 @@ class WorkerLog:
     Attributes:
         versions: the version of the parameters each of its gradients was computed on, in order.
         accepted, rejected: how many of its gradients the server applied / refused as too stale.
-        waited: seconds spent waiting for the server's replies (in sync mode: for the slowest worker).
+        waited: seconds spent waiting for the server's replies (in sync mode: for the slowest worker), on
+            `course_lib.clock()` (modeled under a modeled network).
     """
 
     rank: int = 0
