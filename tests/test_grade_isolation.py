@@ -12,10 +12,11 @@ score is what its honest part earns (0 for a blank copy) and what it could not d
 checks, once the run is over, that no process, file, System V object, cgroup or mount of any sandbox remains.
 
 The users setup's guarantee rests on permissions: the sandbox user must not be able to read the checkout's
-notebooks/ and tests/ (the grader refuses to start otherwise). A clean clone in a mktemp folder, as the README
-says, gives that; this repository's own checkout may be readable by everyone, so for that setup the test runs
-the grader in a private mount namespace of its own in which the checkout's notebooks/ and tests/ are covered by
-an empty folder of root's: the machine the README describes. The namespaces setup needs no such help.
+notebooks/ and tests/, nor any solved notebook of the course anywhere on the machine (the grader walks every file
+system and refuses to start otherwise). A clean clone in a mktemp folder on a machine of its own, as the README
+says, gives that; a shared development machine may not (this checkout readable by everyone, other people's
+copies in /tmp), so for that setup the test runs the grader in a private mount namespace of its own in which
+those are covered (`clean_machine`): the machine the README describes. The namespaces setup needs no such help.
 """
 
 from __future__ import annotations
@@ -377,6 +378,29 @@ EXPECTED = {     # student: (score, max_score): what the honest part earns
 }
 
 
+_CLEAN = '''
+import os, subprocess, sys
+from course_lib.grade import sandbox
+for folder in sys.argv[1].split("\\n"):
+    if folder:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "none", folder], check=True)
+for path in sandbox.readable_solutions():
+    if path not in sys.argv[2].split("\\n"):
+        subprocess.run(["mount", "--bind", "/dev/null", path], check=True)
+os.execvp(sys.argv[3], sys.argv[3:])
+'''
+
+
+def clean_machine(command: list, leave=()) -> list:
+    """`command` run as on the machine the README describes for grading without namespaces: in a private mount
+    namespace of its own in which this checkout's notebooks/ and tests/ are covered by empty folders of root's and
+    every other solved notebook any user could read (other people's copies on a shared machine) reads empty. The
+    grader itself refuses to start where that is not so (`test_without_namespaces_a_readable_solution_...`)."""
+    folders = "\n".join(str(ROOT / name) for name in sandbox.SECRET_FOLDERS if (ROOT / name).is_dir())
+    return ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _CLEAN, folders,
+            "\n".join(map(str, leave)), *command]
+
+
 def _sandbox_uids() -> set:
     return {p.pw_uid for p in pwd.getpwall() if p.pw_name.startswith(USER)}
 
@@ -393,11 +417,8 @@ def battery(request):
     command = [sys.executable, "-m", "course_lib.grade", "--class", str(klass), "--out", str(out), "--isolation",
                isolation, "--jobs", "2", "--memory", "1G", "--disk", "256M", "--processes", "256", "--cell-timeout",
                "60", "--timeout", "300"]
-    if isolation == "users":         # the README's machine: the checkout's solutions readable by root alone
-        hidden = [str(ROOT / name) for name in sandbox.SECRET_FOLDERS if (ROOT / name).is_dir()]
-        mounts = " && ".join(f'mount -t tmpfs -o size=64k,mode=0700 none "${i + 1}"' for i in range(len(hidden)))
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   f'{mounts} && shift {len(hidden)} && exec "$@"', "sh", *hidden, *command]
+    if isolation == "users":         # the README's machine: no solution any user could read
+        command = clean_machine(command)
     shm_before = shutil.disk_usage("/dev/shm").used
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=work,
@@ -667,3 +688,22 @@ def test_the_sandbox_is_refused_key_rings_and_new_namespaces():
 
     assert ast.literal_eval(done.stdout) == [("keyctl", -1, 1), ("add_key", -1, 1), ("unshare", -1, 1), ("fork", 7),
                                             ("thread", 1), ("subprocess", 0)]
+
+
+def test_without_namespaces_a_readable_solution_anywhere_stops_the_grader(tmp_path):
+    """A solved notebook of the course that any user may read (a copy left in a folder open to all): without
+    namespaces a submission could read and run it, so the grader refuses to start, naming it and saying what to do."""
+    exposed = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-exposed-"))
+    try:
+        exposed.chmod(0o755)
+        shutil.copy(ROOT / "notebooks" / "04_ring_scatter_reduce.ipynb", exposed / "my_copy.ipynb")
+        (exposed / "my_copy.ipynb").chmod(0o644)
+        submission = _write(tmp_path / "06_ring_cost.ipynb", [ANSWERS_06])
+        command = [sys.executable, "-m", "course_lib.grade", str(submission), "--isolation", "users"]
+        done = subprocess.run(clean_machine(command, leave=[exposed / "my_copy.ipynb"]), capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path,
+                              env={**os.environ, "COURSE_LIB_GRADE_USER": USER})
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "could read" in done.stderr and "my_copy.ipynb" in done.stderr and "chmod" in done.stderr, done.stderr
+    finally:
+        shutil.rmtree(exposed, ignore_errors=True)

@@ -973,7 +973,7 @@ def run(config):
     first = init or kernel
     watch = Watch(config, cgroups, first, f"/proc/{init}/root/tmp" if namespaces else None)
     print("started " + json.dumps({"pid": kernel, "limits": watch.how()}), flush=True)
-    left_when_ended = None
+    left_when_ended, status = None, None
     pending = b""
     while not stopping:
         watched = [sys.stdin, output] + ([report] if report is not None else [])
@@ -994,13 +994,19 @@ def run(config):
             if line.startswith("ended"):
                 parts = line.split()
                 left_when_ended = int(parts[2]) if len(parts) > 2 else 0
+                status = int(parts[1]) if len(parts) > 1 and parts[1].lstrip("-").isdigit() else None
             ended = line.startswith("ended") or not line
-        ended = first in _reap() or ended
+        reaped = _reap()
+        if first in reaped:
+            ended = True
+            status = reaped[first] if report is None else status
         hit = watch.hit(now=asked or ended)     # a kernel that ended may have been ended by a limit (the OOM killer)
         if hit:
             print(f"limit {hit}", flush=True)
             break
         if ended:
+            if status is not None:
+                print(f"ended {status}", flush=True)       # its wait status: how it ended (a signal, an exit code)
             break
         if asked:                  # the judge asks after every cell and check: "ok" unless a limit was reached
             print("ok", flush=True)

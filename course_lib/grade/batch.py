@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from course_lib.grade import assign, judge
 from course_lib.grade.notebook import safe_name
 from course_lib.grade.sandbox import (SECRET_FOLDERS, IsolationError, Limits, checkouts, choose_isolation,
-                                      default_user, exposed_to, release_users, running_as_root, sandbox_users,
-                                      sweep_user)
+                                      default_user, exposed_to, readable_solutions, release_users, running_as_root,
+                                      sandbox_users, sweep_user)
 
 __all__ = ["Submission", "SubmissionGrade", "collect_class", "collect_nbgrader", "collect_files", "grade_submissions",
            "default_jobs"]
@@ -166,7 +166,8 @@ def collect_nbgrader(course, assignment: str) -> list[Submission]:
 
 
 def refuse_exposure(user, submissions, extra=()) -> None:
-    """Isolation 'users': the sandbox user must not be able to open the instructor's checkout or any submission.
+    """Isolation 'users': the sandbox user must not be able to open the instructor's checkout (its notebooks/ and
+    tests/, and any solved notebook of the course anywhere on the machine) or any submission.
 
     Raises:
         IsolationError: it could, with the paths and what to do.
@@ -176,6 +177,7 @@ def refuse_exposure(user, submissions, extra=()) -> None:
     paths += list(extra)
     for checkout in checkouts():
         paths += [checkout / name for name in SECRET_FOLDERS if (checkout / name).exists()]
+    paths += readable_solutions()             # a solved notebook of the course anywhere on the machine
     exposed = exposed_to(user, paths)
     if exposed:
         shown = ", ".join(safe_name(p) for p in exposed[:3]) + (f" and {len(exposed) - 3} more" if len(exposed) > 3
@@ -246,7 +248,6 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
     jobs = jobs or default_jobs()
     isolation = choose_isolation(isolation)
     limits = limits or Limits()
-    preload()
     plans = [assign.plan_submission(s.notebooks, assignment, root=s.root) for s in submissions]
     grades = [SubmissionGrade(s.name, [None] * len(s.notebooks), s.problem, list(s.notes), plan.assignments)
               for s, plan in zip(submissions, plans)]
@@ -274,6 +275,7 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
     try:
         if one_at_a_time:
             refuse_exposure(users[0], submissions, protect)
+        preload()
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             running = {}
             while tasks or running:

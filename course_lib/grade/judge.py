@@ -199,16 +199,20 @@ class _Session:
             if self._left() <= 0:
                 raise SandboxTimeout("the notebook ran out of time")
             started = time.monotonic()
-            self.box = Sandbox.start(self.workdir, self.log_path, self.user, isolation=self.isolation,
-                                     limits=self.limits, notebook=self.notebook,
-                                     startup_timeout=min(120, max(1, self._left())))
+            try:
+                self.box = self._start()
+            except SandboxStartError as exc:
+                # Once more: a sandbox can fail to start for a passing reason (the machine out of memory killed
+                # its kernel first); one whose installation is broken fails again, and that is reported.
+                self.grade.info.append(f"the sandbox did not start the first time ({exc}); it was started again")
+                self.box = self._start()
             ready = time.monotonic()
             self.run_notes = []
             died_in = self._run_cells()
             self.timings["sandbox start"] += ready - started
             self.timings["cells"] += time.monotonic() - ready
             if died_in is not None:
-                hit = self.box.limit_hit
+                hit, why = self.box.limit_hit, self.box.why_ended()
                 self.stop()
                 self.skip.add(died_in)
                 self.plan, self.why = self._plan()
@@ -216,10 +220,15 @@ class _Session:
                 self.grade.notes.append(
                     f"cell {number} reached the sandbox's {limit_words(hit)} and was stopped; the notebook was run "
                     "again without that cell" if hit else
-                    f"the kernel died in cell {number}; it was run again without that cell")
+                    f"the kernel died in cell {number}" + (f" ({why})" if why != "the kernel ended" else "")
+                    + "; it was run again without that cell")
         self.grade.notes += self.run_notes
         self.run_notes = []
         return self.box
+
+    def _start(self) -> Sandbox:
+        return Sandbox.start(self.workdir, self.log_path, self.user, isolation=self.isolation, limits=self.limits,
+                             notebook=self.notebook, startup_timeout=min(120, max(1, self._left())))
 
     def _run_cells(self):
         """Run the planned cells; the position (in `cells`) of the cell that killed the kernel, or None."""

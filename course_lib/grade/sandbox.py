@@ -56,7 +56,8 @@ from course_lib.grade import channel
 __all__ = ["Sandbox", "SandboxUser", "Limits", "SandboxError", "SandboxStartError", "SandboxDied", "SandboxTimeout",
            "IsolationError", "sandbox_users", "release_users", "sweep_user", "running_as_root", "choose_isolation",
            "namespaces_available", "exposed_to", "shared_dirs", "parse_size", "describe_isolation", "WARDEN",
-           "ISOLATIONS", "DEFAULT_USER", "default_user", "checkouts", "SECRET_FOLDERS", "left_behind"]
+           "ISOLATIONS", "DEFAULT_USER", "default_user", "checkouts", "SECRET_FOLDERS", "left_behind",
+           "readable_solutions"]
 
 WARDEN = str(pathlib.Path(__file__).with_name("_warden.py"))
 DEFAULT_USER = "course_lib_grader"
@@ -300,8 +301,23 @@ def shared_dirs() -> list[str]:
     """Every folder any user may write into (world-writable and reachable: /tmp, /var/tmp, /dev/shm,
     /dev/mqueue, /run/lock, ...), found once per grader by walking every mounted file system. What a sandbox user
     writes outside its own folder can only be below one of these."""
-    if "dirs" in _SHARED:
-        return _SHARED["dirs"]
+    return _scan()["dirs"]
+
+
+def readable_solutions() -> list[str]:
+    """Solved notebooks of the course (a cell with nbgrader's "### BEGIN SOLUTION") that any user may read, anywhere
+    on this machine (the same walk as `shared_dirs`): without namespaces, a submission could read and run them."""
+    return _scan()["solutions"]
+
+
+_SOLUTION_MARK = b"### BEGIN SOLUTION"
+
+
+def _scan() -> dict:
+    """One walk of every mounted file system, through the folders any user may enter (o+x): the folders any user
+    may write, and the notebooks any user may read that hold solutions. Made once per grader."""
+    if "scan" in _SHARED:
+        return _SHARED["scan"]
     points = []
     try:
         with open("/proc/self/mounts") as f:
@@ -311,7 +327,8 @@ def shared_dirs() -> list[str]:
                     points.append(fields[1].replace("\\040", " "))
     except OSError:
         points = ["/", "/tmp", "/var/tmp", "/dev/shm"]
-    found, seen = [], set()
+    skip = {str(p) for p in mirror_folders()}
+    writable, notebooks, seen = set(), [], set()
     for point in sorted(set(points)):
         try:
             device = os.lstat(point).st_dev
@@ -324,21 +341,36 @@ def shared_dirs() -> list[str]:
                 info = os.lstat(folder)
             except OSError:
                 continue
-            if info.st_dev != device or (info.st_dev, info.st_ino) in seen:
+            if info.st_dev != device or (info.st_dev, info.st_ino) in seen or folder in skip:
                 continue
             seen.add((info.st_dev, info.st_ino))
             if not info.st_mode & 0o001:          # no user but its owner and group may enter it
                 continue
             if info.st_mode & 0o002:
-                found.append(folder)
-                continue                          # all below it is swept as a whole
+                writable.add(folder)
             try:
                 with os.scandir(folder) as entries:
-                    todo.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            todo.append(entry.path)
+                        elif entry.name.endswith(".ipynb") and entry.is_file(follow_symlinks=False):
+                            notebooks.append(entry)
             except OSError:
                 continue
-    _SHARED["dirs"] = sorted(set(found))
-    return _SHARED["dirs"]
+    solutions = []
+    for entry in notebooks[:5000]:
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if info.st_mode & 0o004 and info.st_size < 64 << 20:
+                with open(entry.path, "rb") as f:
+                    if _SOLUTION_MARK in f.read():
+                        solutions.append(entry.path)
+        except OSError:
+            continue
+    # A world-writable folder below another is swept with it.
+    dirs = sorted(d for d in writable if not any(d != w and d.startswith(w.rstrip("/") + "/") for w in writable))
+    _SHARED["scan"] = {"dirs": dirs, "solutions": sorted(solutions)}
+    return _SHARED["scan"]
 
 
 def sweep_user(user: SandboxUser, files: bool = False, skip=(), processes: bool = True) -> tuple[int, int, int]:
@@ -656,6 +688,7 @@ class Sandbox:
         self.limits = limits
         self.killed = 0
         self.limit_hit: str | None = None      # "memory 4 GiB", "disk 1 GiB", "processes 1024": what ended it
+        self.exit_status: int | None = None    # the kernel's wait status, once the warden saw it end
         self.held: dict = {}                   # how each limit is held (cgroup, tmpfs, rlimit and polling)
         self._stopped = False
         self._lines: list = []
@@ -763,6 +796,8 @@ class Sandbox:
             text = line.decode(errors="replace").strip()
             if text.startswith("limit ") and self.limit_hit is None:
                 self.limit_hit = text[len("limit "):]
+            if text.startswith("ended ") and text[6:].lstrip("-").isdigit():
+                self.exit_status = int(text[6:])
             self._lines.append(text)
 
     def _next_line(self, timeout: float) -> str:
@@ -819,6 +854,12 @@ class Sandbox:
     def why_ended(self) -> str:
         if self.limit_hit:
             return f"it reached the sandbox's {limit_words(self.limit_hit)} and was stopped"
+        if self.exit_status is not None and os.WIFSIGNALED(self.exit_status):
+            number = os.WTERMSIG(self.exit_status)
+            if number == signal.SIGKILL:
+                return ("the kernel was killed (SIGKILL: the machine ran out of memory and the sandbox, first in line, "
+                        "was killed, or a process of the notebook killed it)")
+            return f"the kernel was killed by signal {number} ({signal.Signals(number).name})"
         return "the kernel ended"
 
     def request(self, message: dict, timeout: float):
@@ -874,6 +915,7 @@ class Sandbox:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not self._eof and not any(l.startswith("clean") for l in self._lines):
             self._pump(deadline - time.monotonic())
+        self._lines = [line for line in self._lines if line != "ok" and not line.startswith("ended ")]
         try:
             warden.wait(timeout=30)
         except subprocess.TimeoutExpired:
