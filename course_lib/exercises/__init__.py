@@ -51,6 +51,10 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
     beat_the_ring        11        beat_the_ring(tensor, link)         the capstone: any all-reduce, timed on two
                                                                        modeled links, scored per size against
                                                                        the best known schedule
+    hierarchical_allreduce 13      hierarchical_allreduce(tensor,      reduce-scatter inside each node, ring
+                                   node_size)                          all-reduce of the shard across the nodes
+                                                                       on its rail, all-gather inside; a smaller
+                                                                       last node folds in; timed on two clusters
 
 Tensors are 1-D float32, results in place, rank and world size from ``torch.distributed``, sum only;
 chunks are ``torch.tensor_split(tensor, G)``. Use `course_lib.p2p` or torch.distributed's own
@@ -94,6 +98,7 @@ from dataclasses import dataclass
 
 from course_lib.exercises import registry, runner
 from course_lib.exercises.report import Result, format_points
+from course_lib.exercises import hierarchical  # noqa: E402,F401 - notebook 13's exercise registers itself
 
 __all__ = ["check", "list", "list_exercises", "Result", "ExerciseInfo"]
 
