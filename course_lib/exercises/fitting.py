@@ -5,13 +5,13 @@
 `sizes[i]` is a message's size in bytes and `times[i]` the seconds one message of that size took (lists of
 floats, same length). The model is
 
-    t(n) = alpha + beta n          alpha: seconds per message (latency), beta: seconds per byte (1 / bandwidth)
+    t(S) = alpha + beta S          alpha: seconds per message (latency), beta: seconds per byte (1 / bandwidth)
 
 and the exercise asks for the least-squares fit **weighted by relative error**: minimise
 
-    sum_i ((alpha + beta n_i - t_i) / t_i)^2
+    sum_i ((alpha + beta S_i - t_i) / t_i)^2
 
-i.e. divide every row of X = [1, n_i] and t_i by t_i and solve with `numpy.linalg.lstsq` (as `cost.fit` does).
+i.e. divide every row of X = [1, S_i] and t_i by t_i and solve with `numpy.linalg.lstsq` (as `cost.fit` does).
 Why not plain least squares: the sizes span 4 KiB to 64 MiB, so the times span 5 ms to 70 ms and more. Plain
 least squares minimises absolute errors, which the largest messages dominate: 1% noise on a 70 ms point is
 0.7 ms, and the fit moves alpha by that much to absorb it. Weighted by 1/t_i every point counts as much as
@@ -20,7 +20,10 @@ every other, and alpha comes from the small messages, where it is the whole time
 Cases (one rank: the function does arithmetic, no messages):
     exact      timings straight from the model (any correct least squares recovers alpha and beta exactly)
     noisy      the model times (1 + e), e ~ 2% seeded noise, on the bandwidth-bound link (20 us, 100 MB/s)
-    measured   (hidden) a ping-pong recorded over course_lib.Network("1 GB/s", "5 ms"): 5 ms and 1e-9 s/B
+    measured   (hidden) a ping-pong over course_lib.Network("1 GB/s", "5 ms") (5 ms and 1e-9 s/B), recorded on
+               this machine's clock (time.perf_counter) by an earlier course_lib whose link slept until each
+               message was due: this machine's own cost per message and its noise are in the times (today's
+               modeled clock would give a + S/B exactly, with nothing to test the weighting on)
 
 Every timing, the reference fit and the slips' values are computed on the judge's side; the ranks only
 return the two numbers. `course_lib.cost` is off limits (its `fit` is the answer).
@@ -41,7 +44,9 @@ SIZES = tuple(4096 * 4 ** k for k in range(8))          # 4 KiB, 16 KiB, ..., 64
 # (latency s, bandwidth B/s): a latency-bound link (5 ms, 1 GB/s) and a bandwidth-bound one (20 us, 100 MB/s)
 LINKS = ((5e-3, 1e9), (20e-6, 100e6), (150e-6, 12.5e9))
 # One-way times (half a round trip, median of 5) of a ping-pong between two ranks over
-# course_lib.Network("1 GB/s", "5 ms") on this machine, after two warm-up messages: sizes 4 KiB .. 64 MiB.
+# course_lib.Network("1 GB/s", "5 ms") on this machine, after two warm-up messages: sizes 4 KiB .. 64 MiB. Recorded
+# with time.perf_counter by the course_lib before the modeled clock, whose link slept until each message was due, so
+# they carry this machine's cost per message (0.09 to 0.15 ms above 5 ms + S/B at every size) and its noise; kept.
 MEASURED = (0.005122833999848808, 0.005153499500011094, 0.005180364500120049, 0.005353247001039563,
             0.0061727445008727955, 0.00932229749923863, 0.02191679799943813, 0.07225363799989282)
 MEASURED_LINK = (5e-3, 1e9)
@@ -60,7 +65,7 @@ def _design(sizes, times, weighted: bool):
 
 
 def relative_fit(sizes, times) -> tuple[float, float]:
-    """(alpha, beta) minimising sum ((alpha + beta n - t) / t)^2: the answer."""
+    """(alpha, beta) minimising sum ((alpha + beta S - t) / t)^2: the answer."""
     X, t, scale = _design(sizes, times, weighted=True)
     solution, *_ = np.linalg.lstsq(X, t, rcond=None)
     alpha, beta = solution / scale
@@ -68,7 +73,7 @@ def relative_fit(sizes, times) -> tuple[float, float]:
 
 
 def plain_fit(sizes, times) -> tuple[float, float]:
-    """(alpha, beta) of ordinary least squares, sum (alpha + beta n - t)^2: the usual slip."""
+    """(alpha, beta) of ordinary least squares, sum (alpha + beta S - t)^2: the usual slip."""
     X, t, scale = _design(sizes, times, weighted=False)
     solution, *_ = np.linalg.lstsq(X, t, rcond=None)
     alpha, beta = solution / scale
@@ -220,7 +225,7 @@ def _two_numbers(returned):
 register(FitAlphaBeta(
     name="fit_alpha_beta", notebook="10_measure_it", points=5,
     signature="fit_alpha_beta(sizes, times) -> (alpha, beta)",
-    summary="fit t = alpha + beta n to measured message times by least squares weighted by relative error "
+    summary="fit t = alpha + beta S to measured message times by least squares weighted by relative error "
             "(each row divided by its time); alpha in seconds, beta in seconds per byte",
     rubric=(RubricLine("fit", "on timings straight from the model: alpha and beta are the least-squares line (within "
                               "0.1%), whatever the order or unit they come back in", 2),
