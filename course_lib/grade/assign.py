@@ -6,7 +6,7 @@
 The rules, each stated in the feedback where it applies:
 
 1. **A notebook's assignment** comes from its nbgrader metadata (the grade_id of its solution and check cells,
-   which the course's notebooks and their student copies carry: `ASSIGNMENT_CELLS`), when that names one
+   which the course's notebooks and their student copies carry: `cell_assignments`), when that names one
    assignment or agrees with the file name; else from the number its file name starts with (04_...); else from
    the exercises its cells check.
 2. **The submission's assignments** are the one given (`--assignment`, for a class or on Gradescope), or else
@@ -30,37 +30,31 @@ from dataclasses import dataclass, field
 from course_lib.grade.notebook import (NotebookError, exercises_in, exercises_of_number, read_file, read_notebook,
                                        safe_name)
 
-__all__ = ["ASSIGNMENT_CELLS", "NotebookPlan", "SubmissionPlan", "plan_submission", "plan_notebook",
+__all__ = ["ASSIGNMENT_CELLS", "cell_assignments", "NotebookPlan", "SubmissionPlan", "plan_submission", "plan_notebook",
            "resolve_assignment", "assignments", "RULE"]
 
-# The nbgrader grade_id of every solution and check cell of the course's notebooks (and their student copies),
-# and the notebook it belongs to. tests/test_grade_assign.py keeps it equal to notebooks/.
+# The nbgrader grade_id of the course's cells that are not named after an exercise (a solution cell is named as its
+# exercise, its check cell "check_" and the name: `cell_assignments` adds those from the registry), and the
+# notebook each belongs to. tests/test_grade_assign.py keeps the whole map equal to notebooks/ and assignments/.
 ASSIGNMENT_CELLS = {
-    "pass_token": "00_hello_ranks", "check_pass_token": "00_hello_ranks",
-    "batch_size_quiz": "01_why_data_parallelism", "check_batch_size_quiz": "01_why_data_parallelism",
     "batches_questions": "01_why_data_parallelism", "check_batches_questions": "01_why_data_parallelism",
-    "broadcast": "02_collectives", "check_broadcast": "02_collectives", "all_gather": "02_collectives",
-    "check_all_gather": "02_collectives",
-    "naive": "03_naive_and_master_allreduce", "check_naive": "03_naive_and_master_allreduce",
-    "parameter_server": "03_naive_and_master_allreduce", "check_parameter_server": "03_naive_and_master_allreduce",
     "traffic_questions": "03_naive_and_master_allreduce", "check_traffic_questions": "03_naive_and_master_allreduce",
-    "ring_scatter_reduce": "04_ring_scatter_reduce", "check_ring_scatter_reduce": "04_ring_scatter_reduce",
-    "ring_scatter_reduce_from_04": "05_ring_all_gather", "ring_all_gather": "05_ring_all_gather",
-    "check_ring_all_gather": "05_ring_all_gather", "ring": "05_ring_all_gather", "check_ring": "05_ring_all_gather",
+    "ring_scatter_reduce_from_04": "05_ring_all_gather",
     "ring_cost_questions": "06_ring_cost", "check_ring_cost_questions": "06_ring_cost",
-    "ring_from_05": "07_data_parallel_training", "average_gradients": "07_data_parallel_training",
-    "check_average_gradients": "07_data_parallel_training",
-    "straggler_staleness": "08_sync_vs_async", "check_straggler_staleness": "08_sync_vs_async",
-    "stable_step_size": "08_sync_vs_async", "check_stable_step_size": "08_sync_vs_async",
-    "ring_for_hook": "09_model_parallelism_and_ddp", "ring_hook": "09_model_parallelism_and_ddp",
-    "check_ring_hook": "09_model_parallelism_and_ddp",
-    "fit_alpha_beta": "10_measure_it", "check_fit_alpha_beta": "10_measure_it",
-    "tree": "11_beat_the_ring", "check_tree": "11_beat_the_ring", "halving_doubling": "11_beat_the_ring",
-    "check_halving_doubling": "11_beat_the_ring", "overlapped_buckets": "11_beat_the_ring",
-    "check_overlapped_buckets": "11_beat_the_ring", "zero1_step": "11_beat_the_ring",
-    "check_zero1_step": "11_beat_the_ring", "beat_the_ring": "11_beat_the_ring",
-    "check_beat_the_ring": "11_beat_the_ring",
+    "ring_from_05": "07_data_parallel_training",
+    "ring_for_hook": "09_model_parallelism_and_ddp",
 }
+
+
+def cell_assignments() -> dict:
+    """{nbgrader grade_id: the course notebook it belongs to}, for every solution and check cell of the course."""
+    from course_lib.exercises import registry
+
+    cells = {}
+    for exercise in registry.all_exercises():
+        cells[exercise.name] = cells["check_" + exercise.name] = exercise.notebook
+    return {**cells, **ASSIGNMENT_CELLS}
+
 
 RULE = ("one copy of each exercise is graded: a notebook of the exercise's own assignment, then one the grader "
         "could read, then one named as the course names it, then the one nearest the top of the submission, then "
@@ -115,12 +109,13 @@ def _from_file_name(name: str) -> str | None:
 def _from_metadata(notebook) -> dict:
     """{assignment: how many of the notebook's cells carry its nbgrader grade_ids}."""
     counts: dict = {}
+    known = cell_assignments()
     for cell in notebook.get("cells", []):
         metadata = cell.get("metadata") if isinstance(cell, dict) else None
         nbgrader = metadata.get("nbgrader") if isinstance(metadata, dict) else None
         grade_id = nbgrader.get("grade_id") if isinstance(nbgrader, dict) else None
-        if isinstance(grade_id, str) and grade_id in ASSIGNMENT_CELLS:
-            counts[ASSIGNMENT_CELLS[grade_id]] = counts.get(ASSIGNMENT_CELLS[grade_id], 0) + 1
+        if isinstance(grade_id, str) and grade_id in known:
+            counts[known[grade_id]] = counts.get(known[grade_id], 0) + 1
     return counts
 
 
