@@ -1,9 +1,9 @@
 """Memory, bytes and time per step of plain data parallelism and ZeRO-1, -2, -3, measured.
 
-    python benchmarks/zero_figures.py [--world-size 4] [--reps 11] [--steps 4] [--hidden 64] [--depth 8]
-                                      [--batch 16] [--note "..."]
+    python benchmarks/zero_figures.py [--world-size 4] [--network 1GbE] [--reps 2] [--steps 3] [--hidden 64]
+                                      [--depth 8] [--batch 16] [--note "..."] [--tag 512wide]
 
-One launch of --world-size ranks. The model is toy.make_mlp(hidden, depth) on the spiral data (the
+Two launches of --world-size ranks: memory and bytes on this machine, time on the modeled clock. The model is toy.make_mlp(hidden, depth) on the spiral data (the
 course's model, made deeper so that a layer is a small part of it), Adam, float32. Variants:
 
     plain DP            train_data_parallel with torch.optim.Adam, one ring all-reduce after backward
@@ -16,20 +16,38 @@ step, every rank): bytes of parameters, gradients and optimizer state held when 
 and at the peak of the step, against the Playbook's formula (`memory.model_state_bytes`, fp32 Adam:
 4 + 4 + 8 bytes a parameter, each divided by G where the stage shards it) and against the schedule's
 own count (`memory.schedule_bytes`). Bytes sent per step: from every rank's traffic recording, against
-`zero_sharded.expected_bytes_sent`. Time: --reps repetitions, each training every variant for
---steps + 1 steps from the same start in an order shuffled anew each repetition (the same on every
-rank); per repetition and variant the mean step time of the last --steps steps, slowest rank; median
-and spread over the repetitions and the paired ratio to plain DP. Cross-rank argument checks off
-(course_lib.unchecked()), as in course_lib.bench.
+`zero_sharded.expected_bytes_sent`. Time, on the modeled clock of --network (a preset such as 1GbE, 10GbE, ib_ndr, or 'BANDWIDTH, LATENCY';
+`course_lib.Network`): compute costs nothing on it, so a step's time is its messages' time. Each
+repetition trains every variant for --steps steps in an order shuffled anew (the same on every rank);
+a variant's step time is how much later the last rank finished the last step than the step before it
+(each rank's clock at the end, minus its step times). Beside it, the model: the sum of the step's
+collectives by the link's equations, a the latency and B the bandwidth, n a layer's elements:
 
-Writes benchmarks/results/zero_figures_<G>ranks.json and .md. Not a test: the times depend on the
-machine and on what else runs on it (the load average is recorded before and after).
+    ring all-reduce of n elements         2(G-1) (a + 4 ceil(n/G) / B)     (Network.predict('ring'))
+    reduce-scatter or all-gather of n     (G-1) (a + 4 ceil(n/G) / B)      (pieces of ceil(n/G))
+
+    plain DP         one ring all-reduce of the gradient and the loss sum and count (N + 2 elements)
+    ZeRO-1 (flat)    a reduce-scatter of pieces of ceil(N/G) + 2, an all-gather of pieces of ceil(N/G)
+    stage 0          the loss sum and count (a ring of 2), then one ring all-reduce per layer
+    ZeRO-1, ZeRO-2   the ring of 2, then a reduce-scatter and an all-gather per layer
+    ZeRO-3           the ring of 2, then two all-gathers and a reduce-scatter per layer
+
+The modeled clock reads the same in every repetition (the spread is 0; the repetitions show it).
+ZeRO-3 prefetch is measured for memory and bytes only: it sends ZeRO-3's messages in another order,
+and what it buys, an all-gather hidden behind compute, has nothing to hide behind on a clock where
+compute is free. --network none times on this machine's clock instead (the old behaviour: at least 9
+repetitions of --steps + 1 steps, the first dropped, argument checks off; noisy, load-dependent).
+
+Writes benchmarks/results/zero_figures_<G>ranks[_<tag>].json and .md (the load average is recorded before and
+after: it moves the memory and bytes run's wall time, never the modeled times).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import pathlib
 import random
@@ -41,6 +59,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib import bench, training
+from course_lib.network import Network
 from course_lib.training import memory, toy, zero, zero_sharded
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -48,6 +67,7 @@ VARIANTS = {"plain DP": None, "ZeRO-1 (flat)": "flat", "stage 0": dict(stage=0),
             "ZeRO-2": dict(stage=2), "ZeRO-3": dict(stage=3), "ZeRO-3 prefetch": dict(stage=3, prefetch=True)}
 STAGE_OF = {"stage 0": (0, False), "ZeRO-1": (1, False), "ZeRO-2": (2, False), "ZeRO-3": (3, False),
             "ZeRO-3 prefetch": (3, True)}
+MODELED = [name for name in VARIANTS if name != "ZeRO-3 prefetch"]      # timed on the modeled clock
 
 
 def _build(name, options, census=None):
@@ -61,10 +81,10 @@ def _build(name, options, census=None):
 
 
 def measure(rank, world_size, options):
+    """Memory (the census) and bytes per step: deterministic, one pass, this machine's clock (untimed)."""
     torch.set_num_threads(1)
     data = toy.make_spirals(world_size * options["batch"] * (options["steps"] + 1), seed=1)
-    out = {"memory": {}, "bytes": {}, "times": {name: [] for name in VARIANTS}}
-    # Memory and bytes: deterministic, one pass.
+    out = {"memory": {}, "bytes": {}}
     for name in STAGE_OF:
         census = memory.MemoryCensus()
         model, sharded = _build(name, options, census)
@@ -77,23 +97,66 @@ def measure(rank, world_size, options):
                                "peak": {k: census.peak[k] for k in memory.KINDS}, "peak_total": census.peak["total"],
                                "units": [u.numel for u in sharded.units]}
         out["bytes"][name] = log.bytes_sent
+    for name in ("plain DP", "ZeRO-1 (flat)"):
+        model, optimizer = _build(name, options)
+        log = training.train_data_parallel(model, optimizer, data, F.cross_entropy, batch_size=options["batch"],
+                                           max_steps=1)
+        out["bytes"][name] = log.bytes_sent
+    return out
+
+
+def step_seconds(runs) -> float:
+    """How much later the last rank finished the last step than the step before, from every rank's
+    (clock at the end, step times): steps follow one another with nothing in between."""
+    ends = [[end - sum(times[k + 1:]) for k in range(len(times))] for end, times in runs]
+    last = [max(rank_ends[k] for rank_ends in ends) for k in range(len(ends[0]))]
+    return last[-1] - last[-2]
+
+
+def time_steps(rank, world_size, options):
+    """Per repetition and variant: (this rank's clock after training, its step times)."""
+    torch.set_num_threads(1)
+    modeled = options["network"] is not None
+    steps = options["steps"] if modeled else options["steps"] + 1
+    data = toy.make_spirals(world_size * options["batch"] * steps, seed=1)
+    names = MODELED if modeled else list(VARIANTS)
+    out = {name: [] for name in names}
     shuffle = random.Random(0)
-    with course_lib.unchecked():
-        for rep in range(options["reps"] + 1):                         # repetition 0 warms up and is dropped
-            order = list(VARIANTS)
+    checks = contextlib.nullcontext() if modeled else course_lib.unchecked()    # checks are free on the modeled clock
+    with checks:
+        for rep in range(options["reps"] + (0 if modeled else 1)):           # this machine: repetition 0 warms up
+            order = list(names)
             shuffle.shuffle(order)
             for name in order:
                 model, optimizer = _build(name, options)
                 log = training.train_data_parallel(model, optimizer, data, F.cross_entropy,
-                                                   batch_size=options["batch"], max_steps=options["steps"] + 1)
-                if rep > 0:
-                    out["times"][name].append(statistics.fmean(log.step_times[1:]))
-                if rep == 0:
-                    out["bytes"].setdefault(name, log.bytes_sent // (options["steps"] + 1))
+                                                   batch_size=options["batch"], max_steps=steps)
+                if modeled:
+                    out[name].append((course_lib.clock(), log.step_times))
+                elif rep > 0:
+                    out[name].append(statistics.fmean(log.step_times[1:]))
     return out
 
 
-def analyse(per_rank, options):
+def model_seconds(name, units, network, world_size) -> float:
+    """The sum of a step's collectives on `network` (see the module docstring)."""
+    g = world_size
+    if g == 1:
+        return 0.0
+    ring = lambda n: network.predict("ring", 4 * n, g)                                      # noqa: E731
+    pieces = lambda n, extra=0: (g - 1) * (network.latency + 4 * (math.ceil(n / g) + extra) / network.bandwidth)  # noqa: E731
+    total = sum(units)
+    if name == "plain DP":
+        return ring(total + 2)
+    if name == "ZeRO-1 (flat)":
+        return pieces(total, extra=2) + pieces(total)
+    calls = {"stage 0": None, "ZeRO-1": 2, "ZeRO-2": 2, "ZeRO-3": 3}[name]
+    if calls is None:
+        return ring(2) + sum(ring(n) for n in units)
+    return ring(2) + sum(calls * pieces(n) for n in units)
+
+
+def analyse(per_rank, times_per_rank, options):
     g = options["world_size"]
     units = per_rank[0]["memory"]["stage 0"]["units"]
     psi = sum(units)
@@ -118,10 +181,19 @@ def analyse(per_rank, options):
     for name in ("plain DP", "ZeRO-1 (flat)"):
         bytes_rows[name] = {"sent": [out["bytes"][name] for out in per_rank]}
     reps = options["reps"]
-    slowest = {name: [max(out["times"][name][i] for out in per_rank) for i in range(reps)] for name in VARIANTS}
-    times = {name: {**bench.spread(values), "values": values} for name, values in slowest.items()}
-    ratios = {name: {**bench.spread([a / b for a, b in zip(slowest[name], slowest["plain DP"])])}
-              for name in VARIANTS if name != "plain DP"}
+    timed = list(times_per_rank[0])
+    if options["network"] is not None:
+        network = Network.parse(options["network"])
+        per_rep = {name: [step_seconds([out[name][i] for out in times_per_rank]) for i in range(reps)] for name in timed}
+        models = {name: model_seconds(name, units, network, g) for name in timed}
+    else:
+        per_rep = {name: [max(out[name][i] for out in times_per_rank) for i in range(reps)] for name in timed}
+        models = {}
+    times = {name: {**bench.spread(values), "values": values, "model": models.get(name),
+                    "ratio_to_model": (values[0] / models[name] if models.get(name) else None)}
+             for name, values in per_rep.items()}
+    ratios = {name: {**bench.spread([a / b for a, b in zip(per_rep[name], per_rep["plain DP"])])}
+              for name in timed if name != "plain DP"}
     return {"parameters": psi, "layers": units, "memory": memory_rows, "bytes": bytes_rows, "times": times,
             "ratios_to_plain": ratios}
 
@@ -132,7 +204,8 @@ def markdown(result) -> str:
     lines = [
         f"# ZeRO stages on {o['world_size']} ranks: memory, bytes and time per step, measured",
         "",
-        f"`python benchmarks/zero_figures.py --world-size {o['world_size']}` — toy.make_mlp(hidden={o['hidden']}, "
+        f"`python benchmarks/zero_figures.py --world-size {o['world_size']} --network '{o.get('network') or 'none'}' "
+        f"--hidden {o['hidden']} --depth {o['depth']}` — toy.make_mlp(hidden={o['hidden']}, "
         f"depth={o['depth']}): {result['parameters']:,} parameters in layers of {result['layers']}; Adam, float32; "
         f"batch {o['batch']} per rank. Machine: {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, "
         f"{m['date']}. Load average (1, 5, 15 min) before: {result['load_before']}, after: {result['load_after']}"
@@ -163,12 +236,27 @@ def markdown(result) -> str:
     for name, row in result["bytes"].items():
         equal = {True: "yes", False: "NO"}.get(row.get("equal"), "-")
         lines.append(f"| {name} | {row['sent'][0]:,} | {equal} |")
-    lines += ["", f"## Time per step (ms), slowest rank, {o['reps']} interleaved repetitions of {o['steps']} steps",
-              "", "| variant | median (min..max) | paired ratio to plain DP, median (min..max) |", "| --- | --- | --- |"]
-    for name, t in result["times"].items():
-        r = result["ratios_to_plain"].get(name)
-        ratio = f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})" if r else "1"
-        lines.append(f"| {name} | {1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) | {ratio} |")
+    if o.get("network"):
+        lines += ["", f"## Time per step (ms) on the modeled clock: {result['network']}",
+                  "", f"{o['reps']} repetitions of {o['steps']} steps, in a shuffled order; a step's time is how much "
+                  "later the last rank finished the last step than the one before. Compute costs nothing on this "
+                  "clock; the model is the sum of the step's collectives (the script's docstring). ZeRO-3 prefetch is "
+                  "not timed (its gain is overlap with compute, which is free here).", "",
+                  "| variant | measured, median (min..max) | model | measured / model | ratio to plain DP |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, t in result["times"].items():
+            r = result["ratios_to_plain"].get(name)
+            ratio = f"{r['median']:.3f}" if r else "1"
+            lines.append(f"| {name} | {1e3 * t['median']:.4f} ({1e3 * t['min']:.4f}..{1e3 * t['max']:.4f}) | "
+                         f"{1e3 * t['model']:.4f} | {t['ratio_to_model']:.6f} | {ratio} |")
+    else:
+        lines += ["", f"## Time per step (ms) on this machine's clock, slowest rank, {o['reps']} interleaved repetitions "
+                  f"of {o['steps']} steps", "",
+                  "| variant | median (min..max) | paired ratio to plain DP, median (min..max) |", "| --- | --- | --- |"]
+        for name, t in result["times"].items():
+            r = result["ratios_to_plain"].get(name)
+            ratio = f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})" if r else "1"
+            lines.append(f"| {name} | {1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) | {ratio} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -176,28 +264,42 @@ def markdown(result) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=11)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--network", default="1GbE",
+                        help="the modeled link the steps are timed on (a preset, or 'BANDWIDTH, LATENCY'); "
+                             "'none': this machine's clock")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions (default 2 on the modeled clock, where they read the same; 11 on this machine's)")
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
+    parser.add_argument("--tag", default="", help="appended to the results' file name: zero_figures_<G>ranks_<tag>")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    if args.reps < 9:
-        parser.error("--reps must be at least 9: a median of fewer runs on a shared machine means little")
-    options = {"world_size": args.world_size, "reps": args.reps, "steps": args.steps, "hidden": args.hidden,
-               "depth": args.depth, "batch": args.batch, "note": args.note}
+    network = None if args.network.strip().lower() == "none" else Network.parse(args.network)
+    reps = args.reps if args.reps is not None else (2 if network is not None else 11)
+    if network is None and reps < 9:
+        parser.error("--reps must be at least 9 on this machine's clock: a median of fewer runs on a shared machine "
+                     "means little")
+    if network is not None and (reps < 1 or args.steps < 2):
+        parser.error("the modeled clock needs --reps >= 1 and --steps >= 2 (a step's time is read between two steps)")
+    options = {"world_size": args.world_size, "reps": reps, "steps": args.steps, "hidden": args.hidden,
+               "depth": args.depth, "batch": args.batch, "note": args.note,
+               "network": None if network is None else args.network}
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.perf_counter()
     per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=3000)
+    times_per_rank = course_lib.launch(time_steps, args.world_size, args=(options,), backend="gloo", timeout=3000,
+                                       network=network)
     result = {"options": options, "machine": bench.machine_description(), "load_before": load_before,
               "load_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.perf_counter() - started, 1),
-              **analyse(per_rank, options)}
+              "network": None if network is None else network.describe(),
+              **analyse(per_rank, times_per_rank, options)}
     print(markdown(result))
     if not args.no_write:
         RESULTS.mkdir(exist_ok=True)
-        stem = RESULTS / f"zero_figures_{args.world_size}ranks"
+        stem = RESULTS / (f"zero_figures_{args.world_size}ranks" + (f"_{args.tag}" if args.tag else ""))
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
         stem.with_suffix(".md").write_text(markdown(result))
         print(f"wrote {stem}.json and .md")
