@@ -2,9 +2,10 @@
 answer scores 0, a correct one full marks, and at least two one-token slips each score between 20% and 85% with
 the lines they miss named in the feedback.
 
-The correct answers and most slips are tests/planted_bugs_part2.py's. The tree has no planted bug that is a small
-slip and keeps part of its rubric (tree_floor_log keeps 90%, the wrong parent, the overwrite, the re-added
-broadcast and the broadcast of the inputs score 0), so its one-token slips are written here.
+The correct answers and most slips are tests/planted_bugs_part2.py's. Of the tree's planted bugs only the forgotten
+broadcast and the broadcast that adds instead of copying are slips that keep part of the rubric (tree_floor_log
+keeps 90%, the wrong parent, the overwrite and the broadcast of the inputs score 0), so more of its one-token slips
+are written here.
 
 The function exercises run on the hidden cases of G = 1, 3 and 4 (core cases, G = 1, a G that is not a power of
 two, uneven lengths, and for beat_the_ring every timed size on both links), which test every rubric line;
@@ -82,7 +83,8 @@ SLIPS = {
     "tree": [(tree_new_tensor_in_reduce, {"values"}),                                  # 8/10
              (tree_broadcast_not_reversed, {"broadcast", "values"}),                   # 5/10
              (tree_broadcast_step_short, {"broadcast", "values"}),                     # 5/10
-             (pb.tree_reduce_only, {"broadcast", "values"})],                          # 5/10
+             (pb.tree_reduce_only, {"broadcast", "values"}),                           # 5/10
+             (pb.tree_broadcast_adds, {"broadcast", "values"})],                       # 5/10
     "halving_doubling": [(pb.hd_partner_plus, {"partners", "values"}),                 # 5.5/10
                          (pb.hd_same_order_all_gather, {"partners", "values"}),        # 5.5/10
                          (pb.hd_step_short, {"partners", "values"}),                   # 5.5/10
@@ -93,9 +95,10 @@ SLIPS = {
     "zero1_step": [(pb.zero_sum_not_mean, {"training"}),                               # 6/10
                    (pb.zero_gathers_into_wrong_slot, {"training"}),                    # 6/10
                    (pb.zero_gathers_gradients, {"gather"})],                           # 7.5/10
-    "beat_the_ring": [(pb.beat_crossover_in_megabytes, {"t_4kib", "t_64kib", "t_1mib"}),            # 6.4/10
-                      (pb.beat_tree_for_small, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"}),         # 5.2/10
-                      (pb.beat_blocking_doubling, {"t_4kib", "t_64kib", "t_1mib", "t_16mib"})],     # 5.2/10
+    "beat_the_ring": [(pb.beat_crossover_in_megabytes, {"t_4kib", "t_64kib"}),                      # 7/10
+                      (pb.beat_tree_for_small, {"t_4kib", "t_64kib"}),                              # 7/10
+                      (pb.beat_blocking_doubling, {"t_4kib", "t_64kib"}),                           # 7/10
+                      (pb.beat_tree_or_ring, {"t_4kib", "t_64kib", "t_1mib"})],                     # 5.5/10
 }
 CORRECT = {entry.exercise: entry.fn for entry in reversed(pb.CORRECT)}   # the first style of each
 

@@ -287,8 +287,14 @@ class Tree(FunctionExercise):
                 p.order = ((0 if p.phase != "broadcast" else 1), p.step or 0, rank)
             problems += found
         if complete:
-            problems += _added_result(case, records)
-            problems += _result_problems(case, records, "the tree")
+            added = _added_result(case, records)
+            results = _result_problems(case, records, "the tree")
+            if added or any(p.phase == "broadcast" for p in problems):
+                # A broadcast that adds instead of copying leaves sums of repeated contributions, which no tagged
+                # message decodes to: "values no message carried" would blame every line (the reduce's too) for
+                # what is the broadcast's mistake, already named.
+                results = [p for p in results if p.line is not None]
+            problems += added + results
             problems += _same_bits(case, records, "the broadcast copies rank 0's result")
         return problems
 
