@@ -54,6 +54,7 @@ yours takes at most 1/0.9 of it on both. The score depends on the schedule alone
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -67,8 +68,8 @@ from course_lib.exercises.registry import Case, FunctionExercise, Problem, regis
 from course_lib.exercises.rubric import SINGLE_RANK, Family, RubricLine
 from course_lib.schedules import pieces
 
-__all__ = ["HierarchicalAllReduce", "Layout", "Expected", "plan", "STYLES", "DEFAULT_STYLE", "positional_input",
-           "record_schedule", "timed_clusters", "THRESHOLD", "TIMED_BYTES", "node_sizes_for"]
+__all__ = ["HierarchicalAllReduce", "Layout", "Expected", "Ring", "plan", "STYLES", "DEFAULT_STYLE", "positional_input",
+           "record_schedule", "draw_schedule", "timed_clusters", "THRESHOLD", "TIMED_BYTES", "node_sizes_for"]
 
 KiB, MiB = 1024, 1024 * 1024
 TIMED_BYTES = 1 * MiB       # bytes per rank of the timed cases
@@ -127,11 +128,13 @@ class Layout:
         guest = rank + self.k
         return guest if self.extra and guest < self.world_size and self.folded(guest) else None
 
+    @functools.lru_cache(maxsize=None)
     def team(self, rank: int) -> frozenset:
         """Whose data a rank that takes part adds in: its own and its guest's."""
         guest = self.host(rank)
         return frozenset({rank} | ({guest} if guest is not None else set()))
 
+    @functools.lru_cache(maxsize=None)
     def node_team(self, node: int) -> frozenset:
         return frozenset().union(*(self.team(self.rank(node, i)) for i in range(self.k)))
 
@@ -241,10 +244,12 @@ def _ranks(ranks) -> str:
     return ", ".join(runs)
 
 
+@functools.lru_cache(maxsize=512)
 def plan(world_size: int, node_size: int, numel: int, style=DEFAULT_STYLE) -> dict:
     """{rank: [Expected, ...]}: every message of the hierarchical all-reduce, in the order each rank sends them.
 
-    `style` is (inside, across): the `Ring` conventions of the two rings (see the module docstring)."""
+    `style` is (inside, across): the `Ring` conventions of the two rings (see the module docstring). Cached: treat
+    the answer as read-only."""
     layout = Layout(world_size, node_size)
     inside, across = style
     G, k, M = world_size, layout.k, layout.nodes
@@ -527,8 +532,10 @@ def _best_style(case, layout, records, complete):
     best = None
     for index, style in enumerate(STYLES):
         problems = _schedule_problems(case, layout, records, style, complete)
-        key = (-_anchors(case, layout, records, style), not problems,
-               problems[0].order if problems else (), -len(problems), -index)
+        anchors = _anchors(case, layout, records, style)
+        if not problems and not anchors:
+            return style, problems
+        key = (-anchors, not problems, problems[0].order if problems else (), -len(problems), -index)
         if best is None or key > best[0]:
             best = (key, style, problems)
     return best[1], best[2]
@@ -927,6 +934,35 @@ def record_schedule(fn, world_size: int, numel: int, *args, device: str = "meta"
             events_by_rank.append(recorder.events)
             break
     return events_by_rank
+
+
+def draw_schedule(events_by_rank, node_size: int, title: str = "", ax=None):
+    """A picture of a recorded schedule (`record_schedule`, or a tracer's events): one row per rank, the s-th message
+    each rank sends in column s, an arrow to its receiver, as thick as its bytes; blue inside a node, red across
+    nodes. Nodes of `node_size` ranks are the shaded bands. Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    G = len(events_by_rank)
+    sends = [[e for e in events if e[0] in ("send", "isend")] for events in events_by_rank]
+    width = max((len(s) for s in sends), default=0)
+    biggest = max((e[2] for s in sends for e in s), default=1) or 1
+    if ax is None:
+        _fig, ax = plt.subplots(figsize=(min(13.0, 1.5 + 0.45 * max(width, 1)), 0.34 * G + 1.3))
+    for node in range(0, -(-G // node_size)):
+        if node % 2 == 0:
+            ax.axhspan(node * node_size - 0.5, min(G, (node + 1) * node_size) - 0.5, color="0.92", zorder=0)
+    for rank, messages in enumerate(sends):
+        for step, (_op, peer, nbytes, _tag) in enumerate(messages):
+            across = peer // node_size != rank // node_size
+            ax.annotate("", xy=(step + 0.8, peer), xytext=(step, rank), zorder=2,
+                        arrowprops=dict(arrowstyle="-|>", color="C3" if across else "C0", shrinkA=0, shrinkB=0,
+                                        lw=0.6 + 2.4 * nbytes / biggest, mutation_scale=7))
+    ax.plot([], [], color="C0", label="inside a node (NVLink)")
+    ax.plot([], [], color="C3", label="across nodes (InfiniBand)")
+    ax.set(xlim=(-0.5, width + 0.3), ylim=(G - 0.5, -0.5), xlabel="the s-th message each rank sends",
+           ylabel="rank", yticks=range(G), title=title)
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    return ax
 
 
 # --------------------------------------------------------------------------------------------------

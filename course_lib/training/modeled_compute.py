@@ -24,6 +24,17 @@ Example::
 
     model = with_compute_delays(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)),
                                 forward_s=0.002, backward_s=0.02)
+
+Compute from FLOPs: `with_flops_compute(model, samples, peak_flops)` puts after each `nn.Linear` a delay of
+its own floating-point operations for `samples` rows at `peak_flops` per second (`linear_flops` counts
+them), as a layer of that shape takes on an accelerator running at that rate::
+
+    H100_BF16 = 989e12        # FLOP/s, the H100 SXM's dense BF16 tensor-core peak (datasheet)
+    model = with_flops_compute(toy.make_mlp(hidden=512, depth=4), samples=65536, peak_flops=H100_BF16)
+
+The rows the delays are computed for need not be the rows the model really computes on: the gradients'
+size, which is what the network carries, does not depend on the batch, so a notebook can model the
+compute of a large per-GPU batch while this machine works on a few samples.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from torch import nn
 
 from course_lib import modeled_clock as _clock
 
-__all__ = ["ComputeDelay", "with_compute_delays"]
+__all__ = ["ComputeDelay", "with_compute_delays", "linear_flops", "model_flops", "with_flops_compute"]
 
 
 class _Delay(torch.autograd.Function):
@@ -84,4 +95,64 @@ def with_compute_delays(model: nn.Sequential, forward_s: float, backward_s: floa
         layers.append(layer)
         if any(True for _ in layer.parameters()):
             layers.append(ComputeDelay(forward_s, backward_s))
+    return nn.Sequential(*layers)
+
+
+def linear_flops(layer: nn.Linear, samples: int, input_gradient: bool = True) -> tuple[float, float]:
+    """(forward, backward) floating-point operations of one `nn.Linear` on `samples` rows.
+
+    Forward: a multiply and an add per weight and row, 2 n_in n_out, plus n_out for the bias. Backward: the
+    weight's gradient (2 n_in n_out per row: the same multiply-adds) and the bias's (n_out), and the input's
+    gradient (another 2 n_in n_out) unless `input_gradient` is False (the first layer: its input is the data,
+    which needs no gradient, and autograd skips it). So backward is about twice forward, the usual rule.
+    """
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"linear_flops counts an nn.Linear, not a {type(layer).__name__}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise ValueError(f"samples must be a whole number >= 0, got {samples!r}")
+    matmul = 2 * layer.in_features * layer.out_features * samples
+    bias = layer.out_features * samples if layer.bias is not None else 0
+    return float(matmul + bias), float(matmul * (2 if input_gradient else 1) + bias)
+
+
+def model_flops(model: nn.Sequential, samples: int) -> list[tuple[int, float, float]]:
+    """[(index in `model`, forward FLOPs, backward FLOPs)] of every layer with parameters, for `samples` rows.
+
+    Every such layer must be an `nn.Linear` (element-wise layers such as ReLU cost a memory pass, not FLOPs worth
+    counting next to a matrix product, and are left out). The first one needs no input gradient.
+
+    Raises:
+        TypeError: a layer with parameters that is not an nn.Linear (its FLOPs depend on more than its shape).
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"model_flops takes an nn.Sequential, got {type(model).__name__}")
+    out = []
+    for index, layer in enumerate(model):
+        if not any(True for _ in layer.parameters()):
+            continue
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"layer {index} ({type(layer).__name__}) has parameters but is not an nn.Linear: its FLOPs "
+                            "depend on more than its shape; model its compute with ComputeDelay(forward_s, backward_s)")
+        out.append((index, *linear_flops(layer, samples, input_gradient=bool(out))))
+    return out
+
+
+def with_flops_compute(model: nn.Sequential, samples: int, peak_flops: float) -> nn.Sequential:
+    """A new Sequential with, after every `nn.Linear`, a `ComputeDelay` of that layer's FLOPs for `samples` rows
+    at `peak_flops` floating-point operations per second (`model_flops`).
+
+    The layers are shared with `model` (not copied), so the parameters are the same objects. On the modeled
+    clock a step then takes sum(FLOPs) / peak_flops of compute, spread over the layers as an accelerator running
+    at that rate would spend it, and each layer's gradients become ready when its backward would finish.
+    """
+    if isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0:
+        raise ValueError(f"peak_flops must be a positive number of floating-point operations per second, "
+                         f"got {peak_flops!r}")
+    delays = {index: (forward / peak_flops, backward / peak_flops) for index, forward, backward in
+              model_flops(model, samples)}
+    layers = []
+    for index, layer in enumerate(model):
+        layers.append(layer)
+        if index in delays:
+            layers.append(ComputeDelay(*delays[index]))
     return nn.Sequential(*layers)
