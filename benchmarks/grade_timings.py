@@ -105,7 +105,9 @@ def run_submission(kind: str) -> dict:
         load = load1()
         seconds, done = grade([*paths, "--json", out], folder)
         results = json.loads(out.read_text()) if out.exists() else None
-    run = {"kind": kind, "seconds": round(seconds, 3), "load_before": load, "exit": done.returncode}
+    run = {"kind": kind, "seconds": round(seconds, 3), "load_before": load, "exit": done.returncode,
+           "isolation": next((line.split(":")[0] for line in done.stderr.splitlines() if line.startswith("grading ")),
+                             "")}
     if results is None:
         return run | {"score": None, "error": done.stderr[-2000:]}
     run.update(score=results["score"], max_score=round(sum(t["max_score"] for t in results["tests"]), 2),
@@ -137,6 +139,10 @@ def where_the_time_goes(runs: list) -> list[dict]:
 
 
 def who(data: dict) -> str:
+    runs = data.get("runs") or [{}]
+    isolation = runs[0].get("isolation") or ""
+    if isolation:          # what the grader said it did: "grading with namespaces", "grading without namespaces ..."
+        return f" Graded as {'root' if data['root'] else 'an ordinary user'}, {isolation.split(' (')[0]}."
     return (" Graded as root, as on Gradescope: every sandbox ran as an unprivileged user." if data["root"] else
             " Graded without root: the sandboxes ran as the grader's own user.")
 
