@@ -1,7 +1,8 @@
 """Gradient compression on the course's model: bytes per step, loss after training, time per step, measured.
 
-    python benchmarks/compression_figures.py [--world-size 4] [--steps 200] [--seeds 3] [--reps 9]
-                                             [--hidden 128] [--depth 2] [--batch 8] [--lr 0.05] [--note "..."]
+    python benchmarks/compression_figures.py [--world-size 4] [--steps 200] [--seeds 3] [--network 1GbE]
+                                             [--time-hidden 128,512] [--hidden 128] [--depth 2] [--batch 8]
+                                             [--lr 0.05] [--note "..."]
 
 One launch of --world-size ranks. The model is toy.make_mlp(hidden, depth) on 600 spiral points (the
 course's MLP and data, 128 hidden units wide so that its square layer dominates, as in notebook 12),
@@ -10,7 +11,8 @@ gradient averager as its DDP communication hook:
 
     none            the trainer's ring all-reduce (fp32)
     bf16            compression.low_precision_hook, summed in fp32
-    PowerSGD r=2    compression.powersgd_hook, rank 2, error feedback (starts at step 2, as PyTorch's allows)
+    PowerSGD ρ=2    compression.powersgd_hook, approximation rank ρ = 2, error feedback (starts at step 2, as
+                    PyTorch's allows)
     PowerSGD no EF  the same without error feedback
     top-k EF        compression.topk_hook, 1% density, error feedback
     top-k no EF     the same without
@@ -20,8 +22,22 @@ whole data set after --steps steps, each variant's ratio to the uncompressed run
 and every rank's bytes per step from its traffic recording against the hook's formula. PowerSGD is
 also run against PyTorch's own powerSGD_hook, both inside DDP on the same model and data: the sizes
 they all-reduce each step, and the largest gap between their parameters and between their losses.
-Time: --reps repetitions of --time-steps + 1 steps of every variant, in an order shuffled anew each
-repetition; mean step time of the last --time-steps steps, slowest rank; median and spread.
+These run on this machine's clock, untimed (their results do not depend on time).
+
+Time, on the modeled clock of --network (a preset such as 1GbE, 10GbE, ib_ndr, or 'BANDWIDTH, LATENCY';
+`course_lib.Network`), in a second launch: every variant trains 4 steps (PowerSGD compresses from step 3)
+of toy.make_mlp(hidden=h, depth) for each h in --time-hidden, --reps times in a shuffled order; a step's
+time is how much later the last rank finished step 4 than step 3. Compute costs nothing on this clock
+(the compressors' own work included), so a step's time is its messages'. Beside it the model, a the
+latency and B the bandwidth, N the gradient's elements: the loss sum and count (a ring all-reduce of 2
+elements; uncompressed training carries them in its one ring all-reduce of N + 2), then
+
+    none      ring all-reduce of N + 2               2(G-1) (a + 4 ceil((N+2)/G) / B)   (Network.predict)
+    bf16      all-to-all + all-gather, 16 bits        2 (G-1) (a + 2 ceil(N/G) / B)
+    PowerSGD  ring all-reduces of U, sum n rho, sum m rho elements
+    top-k     all-gather of 2k numbers                (G-1) (a + 8k / B),  k = ceil(density N)
+
+The repetitions read the same (the spread is 0). --network none times on this machine's clock instead.
 
 Writes benchmarks/results/compression_figures_<G>ranks.json and .md.
 """
@@ -30,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import random
@@ -45,10 +62,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import course_lib
 from course_lib import bench, training
+from course_lib.network import Network
 from course_lib.training import compression, toy
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-VARIANTS = ("none", "bf16", "PowerSGD r=2", "PowerSGD no EF", "top-k EF", "top-k no EF")
+VARIANTS = ("none", "bf16", "PowerSGD ρ=2", "PowerSGD no EF", "top-k EF", "top-k no EF")
+TIME_STEPS = 4             # PowerSGD all-reduces uncompressed in steps 1 and 2 and compresses from step 3
 
 
 def hook_of(name, options):
@@ -56,7 +75,7 @@ def hook_of(name, options):
     rank = options["rank"]
     return {"none": (None, None),
             "bf16": (compression.low_precision_hook, compression.LowPrecisionState()),
-            "PowerSGD r=2": (compression.powersgd_hook,
+            "PowerSGD ρ=2": (compression.powersgd_hook,
                              compression.PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2)),
             "PowerSGD no EF": (compression.powersgd_hook,
                                compression.PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2,
@@ -66,8 +85,8 @@ def hook_of(name, options):
                                                                         use_error_feedback=False))}[name]
 
 
-def train(name, options, data, steps, seed=0):
-    model = toy.make_mlp(hidden=options["hidden"], depth=options["depth"], seed=seed)
+def train(name, options, data, steps, seed=0, hidden=None):
+    model = toy.make_mlp(hidden=hidden or options["hidden"], depth=options["depth"], seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
     hook, state = hook_of(name, options)
     log = training.train_data_parallel(model, optimizer, data, F.cross_entropy, batch_size=options["batch"],
@@ -120,7 +139,7 @@ def _ddp_powersgd(which, options, data, rank, world_size):
 
 def measure(rank, world_size, options):
     torch.set_num_threads(1)
-    out = {"seeds": {}, "times": {name: [] for name in VARIANTS}}
+    out = {"seeds": {}}
     for seed in range(options["seeds"]):
         data = toy.make_spirals(600, seed=1 + seed)
         runs = {}
@@ -137,15 +156,79 @@ def measure(rank, world_size, options):
         "max_param_gap": max((a - b).abs().max().item() for a, b in zip(theirs["params"], ours["params"])),
         "max_loss_gap": max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"])),
         "losses_torch": theirs["losses"], "losses_ours": ours["losses"]}
+    return out
+
+
+def step_seconds(runs) -> float:
+    """How much later the last rank finished the last step than the step before, from every rank's
+    (clock at the end, step times): steps follow one another with nothing in between."""
+    ends = [[end - sum(times[k + 1:]) for k in range(len(times))] for end, times in runs]
+    last = [max(rank_ends[k] for rank_ends in ends) for k in range(len(ends[0]))]
+    return last[-1] - last[-2]
+
+
+def time_steps(rank, world_size, options):
+    """Per width, variant and repetition: this rank's (clock after training, step times) on the modeled clock,
+    or (this machine's clock) its mean step time over steps 4 to 4 + --time-steps."""
+    torch.set_num_threads(1)
+    modeled = options["network"] is not None
+    steps = TIME_STEPS if modeled else options["time_steps"] + 3
+    data = toy.make_spirals(600, seed=1)
+    out = {}
     shuffle = random.Random(0)
-    with course_lib.unchecked():
-        for rep in range(options["reps"] + 1):
+    for hidden in options["time_hidden"]:
+        for rep in range(options["reps"] + (0 if modeled else 1)):
             order = list(VARIANTS)
             shuffle.shuffle(order)
             for name in order:
-                _, log, _ = train(name, options, data, options["time_steps"] + 3)
-                if rep > 0:
-                    out["times"][name].append(statistics.fmean(log.step_times[3:]))   # PowerSGD compresses from step 2
+                _, log, _ = train(name, options, data, steps, hidden=hidden)
+                if modeled:
+                    out.setdefault(f"{hidden}|{name}", []).append((course_lib.clock(), log.step_times))
+                elif rep > 0:
+                    out.setdefault(f"{hidden}|{name}", []).append(statistics.fmean(log.step_times[3:]))
+    return out
+
+
+def model_seconds(name, shapes, options, network, world_size) -> float:
+    """The sum of one step's collectives on `network` (see the module docstring)."""
+    g = world_size
+    if g == 1:
+        return 0.0
+    a, b = network.latency, network.bandwidth
+    ring = lambda n: network.predict("ring", 4 * n, g)                                       # noqa: E731
+    numel = sum(math.prod(s) for s in shapes)
+    if name == "none":
+        return ring(numel + 2)
+    if name == "bf16":
+        return ring(2) + 2 * (g - 1) * (a + 2 * math.ceil(numel / g) / b)
+    if name.startswith("top-k"):
+        k = math.ceil(options["density"] * numel)
+        return ring(2) + (g - 1) * (a + 8 * k / b)
+    sizes = compression.powersgd_sizes(shapes, options["rank"])
+    return ring(2) + sum(ring(sizes[key]) for key in ("uncompressed", "p", "q"))
+
+
+def analyse_times(times_per_rank, options):
+    """{hidden: {variant: spread of the step time, model, ratio to the model and to 'none'}}."""
+    g = options["world_size"]
+    network = Network.parse(options["network"]) if options["network"] is not None else None
+    out = {}
+    for hidden in options["time_hidden"]:
+        shapes = [tuple(p.shape) for p in toy.make_mlp(hidden=hidden, depth=options["depth"]).parameters()][::-1]
+        rows = {}
+        for name in VARIANTS:
+            runs = [out_r[f"{hidden}|{name}"] for out_r in times_per_rank]
+            if network is not None:
+                values = [step_seconds([run[i] for run in runs]) for i in range(options["reps"])]
+                model = model_seconds(name, shapes, options, network, g)
+            else:
+                values = [max(run[i] for run in runs) for i in range(options["reps"])]
+                model = None
+            rows[name] = {**bench.spread(values), "values": values, "model": model,
+                          "ratio_to_model": values[0] / model if model else None}
+        for name in VARIANTS:
+            rows[name]["ratio_to_none"] = rows[name]["median"] / rows["none"]["median"]
+        out[str(hidden)] = {"parameters": sum(math.prod(s) for s in shapes), "variants": rows}
     return out
 
 
@@ -155,7 +238,7 @@ def analyse(per_rank, options):
     numel = sum(torch.Size(s).numel() for s in shapes)
     formulas = {"none": [compression.ring_bytes(numel + 0, g, r) for r in range(g)],
                 "bf16": [compression.low_precision_bytes(numel, g)] * g,
-                "PowerSGD r=2": [compression.powersgd_bytes(shapes, options["rank"], g, r) for r in range(g)],
+                "PowerSGD ρ=2": [compression.powersgd_bytes(shapes, options["rank"], g, r) for r in range(g)],
                 "PowerSGD no EF": [compression.powersgd_bytes(shapes, options["rank"], g, r) for r in range(g)],
                 "top-k EF": [compression.topk_bytes(numel, options["density"], g)] * g,
                 "top-k no EF": [compression.topk_bytes(numel, options["density"], g)] * g}
@@ -171,9 +254,7 @@ def analyse(per_rank, options):
             "ratio_to_uncompressed": per_seed,
             "bytes_per_step_rank0": last[0],
             "bytes_equal_formula_every_rank": last == formulas[name],
-            "share_of_uncompressed": last[0] / formulas["none"][0],
-            "time": {**bench.spread([max(per_rank[r]["times"][name][i] for r in range(g))
-                                     for i in range(options["reps"])])}}
+            "share_of_uncompressed": last[0] / formulas["none"][0]}
     against = per_rank[0]["against_pytorch"]
     sizes = compression.powersgd_sizes(shapes, options["rank"])
     per_step = [sizes["uncompressed"], sizes["p"], sizes["q"]]
@@ -195,27 +276,44 @@ def markdown(result) -> str:
     lines = [
         f"# Gradient compression on {o['world_size']} ranks: bytes, loss and time, measured",
         "",
-        f"`python benchmarks/compression_figures.py --world-size {o['world_size']}` — toy.make_mlp(hidden={o['hidden']}, "
+        f"`python benchmarks/compression_figures.py --world-size {o['world_size']} --network '{o.get('network') or 'none'}'` — toy.make_mlp(hidden={o['hidden']}, "
         f"depth={o['depth']}), {result['parameters']:,} parameters, 600 spiral points, SGD (lr {o['lr']}, momentum 0.9), "
-        f"batch {o['batch']} per rank, {o['steps']} steps, {o['seeds']} data seeds; PowerSGD rank {o['rank']} from step 2, "
+        f"batch {o['batch']} per rank, {o['steps']} steps, {o['seeds']} data seeds; PowerSGD approximation rank ρ = {o['rank']} compressing from step 3 (start_powerSGD_iter=2), "
         f"top-k density {o['density']}. Machine: {m['cpus']} CPUs, torch {m['torch']}, {m['date']}. Load average before: "
         f"{result['load_before']}, after: {result['load_after']}" + (f". Note: {o['note']}" if o.get("note") else "") + ".",
         "",
         "| variant | bytes per step, rank 0 | share of uncompressed | recording == formula (every rank) "
-        "| loss after training / uncompressed, per seed | step time ms, median (min..max) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| loss after training / uncompressed, per seed |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name, v in result["variants"].items():
         ratios = ", ".join(f"{r:.3f}" for r in v["ratio_to_uncompressed"])
-        t = v["time"]
         lines.append(f"| {name} | {v['bytes_per_step_rank0']:,} | {v['share_of_uncompressed']:.3f} | "
-                     f"{'yes' if v['bytes_equal_formula_every_rank'] else 'NO'} | {ratios} | "
-                     f"{1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) |")
+                     f"{'yes' if v['bytes_equal_formula_every_rank'] else 'NO'} | {ratios} |")
     a = result["against_pytorch"]
     lines += ["", f"PowerSGD against PyTorch's powerSGD_hook, both in DDP, {a['steps']} steps: all-reduce sizes per "
-                  f"step {a['torch_allreduce_sizes_per_step']} (uncompressed, P, Q) for both: "
+                  f"step {a['torch_allreduce_sizes_per_step']} (uncompressed, Y = XQ, Z = XᵀY) for both: "
                   f"{'yes' if a['torch_sizes_match_formula'] and a['our_sizes_match'] else 'NO'}; largest parameter gap "
                   f"{a['max_param_gap']:.2e}, largest loss gap {a['max_loss_gap']:.2e}.", ""]
+    clock = (f"the modeled clock of {result['network']}" if o.get("network") else "this machine's clock (slowest rank)")
+    for hidden, block in result["times"].items():
+        lines += [f"## Time per step (ms), toy.make_mlp(hidden={hidden}, depth={o['depth']}): {block['parameters']:,} "
+                  f"parameters, on {clock}", ""]
+        if o.get("network"):
+            lines += [f"{o['reps']} repetitions of {TIME_STEPS} steps; the time of step {TIME_STEPS} (how much later the "
+                      "last rank finished it than the step before). Compute, the compressors' included, costs nothing "
+                      "on this clock; the model is the sum of the step's collectives (the script's docstring).", "",
+                      "| variant | measured, median (min..max) | model | measured / model | ratio to none |",
+                      "| --- | --- | --- | --- | --- |"]
+            for name, t in block["variants"].items():
+                lines.append(f"| {name} | {1e3 * t['median']:.4f} ({1e3 * t['min']:.4f}..{1e3 * t['max']:.4f}) | "
+                             f"{1e3 * t['model']:.4f} | {t['ratio_to_model']:.6f} | {t['ratio_to_none']:.3f} |")
+        else:
+            lines += ["| variant | median (min..max) | ratio to none (medians) |", "| --- | --- | --- |"]
+            for name, t in block["variants"].items():
+                lines.append(f"| {name} | {1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) | "
+                             f"{t['ratio_to_none']:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -224,7 +322,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--network", default="1GbE",
+                        help="the modeled link the steps are timed on (a preset, or 'BANDWIDTH, LATENCY'); "
+                             "'none': this machine's clock")
+    parser.add_argument("--time-hidden", default="128,512", help="widths of the models timed, comma-separated")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions of the timing (default 2 on the modeled clock, 9 on this machine's)")
     parser.add_argument("--time-steps", type=int, default=4)
     parser.add_argument("--ddp-steps", type=int, default=60)
     parser.add_argument("--hidden", type=int, default=128)
@@ -236,16 +339,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--note", default="")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
-    if args.reps < 9:
-        parser.error("--reps must be at least 9: a median of fewer runs on a shared machine means little")
-    options = {k: getattr(args, k) for k in ("world_size", "steps", "seeds", "reps", "time_steps", "ddp_steps",
+    network = None if args.network.strip().lower() == "none" else Network.parse(args.network)
+    reps = args.reps if args.reps is not None else (2 if network is not None else 9)
+    if network is None and reps < 9:
+        parser.error("--reps must be at least 9 on this machine's clock: a median of fewer runs on a shared machine "
+                     "means little")
+    options = {k: getattr(args, k) for k in ("world_size", "steps", "seeds", "time_steps", "ddp_steps",
                                              "hidden", "depth", "batch", "lr", "rank", "density", "note")}
+    options.update(reps=reps, network=None if network is None else args.network,
+                   time_hidden=[int(h) for h in args.time_hidden.split(",") if h.strip()])
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.perf_counter()
     per_rank = course_lib.launch(measure, args.world_size, args=(options,), backend="gloo", timeout=3000)
+    times_per_rank = course_lib.launch(time_steps, args.world_size, args=(options,), backend="gloo", timeout=3000,
+                                       network=network)
     result = {"options": options, "machine": bench.machine_description(), "load_before": load_before,
               "load_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.perf_counter() - started, 1),
-              **analyse(per_rank, options)}
+              "network": None if network is None else network.describe(),
+              **analyse(per_rank, options), "times": analyse_times(times_per_rank, options)}
     print(markdown(result))
     if not args.no_write:
         RESULTS.mkdir(exist_ok=True)
