@@ -2,7 +2,7 @@
 bugs, each with a piece of the first problem its check must report (`expect`).
 
 Same catalogue format as tests/planted_bugs_part2.py (`Entry`): used by tests/test_hierarchical_exercise.py on a
-few world sizes, and by benchmarks/exercise_catch_rate.py --part 3 on every hidden case.
+few world sizes, and by benchmarks/hierarchical_catch_rate.py on every hidden case.
 
 Most bugs are one change to `_hierarchical`, the notebook's solution written with switches, so each reads as the
 slip it is.

@@ -3,7 +3,7 @@ points with the first wrong step named, one-token slips keep part of the rubric,
 library's, and its timed part (a replay on two modeled clusters) depends on the schedule alone.
 
 The function checks run the hidden cases of G = 1, 3, 4 and 8 (core cases, G = 1, node sizes that do not divide G,
-uneven lengths, and the timed cases), which test every rubric line; benchmarks/exercise_catch_rate.py --part 3 runs
+uneven lengths, and the timed cases), which test every rubric line; benchmarks/hierarchical_catch_rate.py runs
 every entry on every hidden case.
 """
 
