@@ -1,26 +1,31 @@
-"""The modeled network (course_lib.network) measured against its own predictions: issue 16's targets.
+"""The modeled network (course_lib.network) on its own clock, measured against its own predictions.
 
-    python benchmarks/network_model.py                  # every part, 11 repetitions
+    python benchmarks/network_model.py                  # every part, 5 repetitions
     python benchmarks/network_model.py --parts latency --reps 3 --out /tmp/quick   # a quick look, not a figure
 
 Every part times course_lib's all-reduces with `course_lib.bench` (variants interleaved in one launch,
-order shuffled anew each repetition, a repetition's time the slowest rank's) under a modeled link,
-with course_lib's cross-rank argument check ON, as a learner's call has it (the check agrees through a
-built-in all_gather, which the model does not see: its few ms are this machine's). The ratio reported
-is median time / the link's prediction (`Network.predict`); the spread is that of the repetitions.
+order shuffled anew each repetition, a repetition's time the slowest rank's) under a modeled link, read on
+the ranks' modeled clocks (`course_lib.clock()`). The ratio reported is time / the link's prediction
+(`Network.predict`), per repetition; on the modeled clock it is 1 in every repetition, under any load
+(issue 16's targets, 0.85 to 1.5 on the clock that slept, became 1e-6). Argument checks are off (the
+algorithm alone, as bench times it), except in the part that measures what they add.
 
-    part        link                     ranks   size     variants                      target
-    bandwidth   50 MB/s, 200 us, switch  4       8 MiB    ring, naive, parameter_server  each in [0.85, 1.35] of the model
-    latency     1 GB/s, 5 ms, switch     4       4 KiB    ring, tree                     each in [0.85, 1.5]
-    scaling     50 MB/s, 200 us, switch  2 and 8 8 MiB    ring, parameter_server         G 2 -> 8: ring < 2.2x, PS > 5x
-    busbw       100 MB/s, 1 ms, switch   4       64 MiB   ring, ring_pipelined,          the fastest's busbw >= 0.9 x
-                                                          halving_doubling               the link's bandwidth
-    overhead    unlimited, 0 s vs none   4       4 KiB,   ring                           time within 5% of the plain
-                                                 1 MiB                                   launch's (launches alternate)
+    part        link     ranks   size     variants                      target
+    bandwidth   10GbE    4       8 MiB    ring, naive, parameter_server  every repetition within 1e-6 of the model
+    latency     ib_ndr   4       4 KiB    ring, tree                     every repetition within 1e-6
+    scaling     10GbE    2 and 8 8 MiB    ring, parameter_server         G 2 -> 8: ring < 2.2x, PS > 5x, each equal
+                                                                         to the model's growth within 1e-6
+    busbw       ib_ndr   4       64 MiB   ring, ring_pipelined,          the fastest's busbw >= 0.9 x the link's
+                                          halving_doubling               bandwidth
+    checks      ib_ndr   4       4 KiB    ring, argument checks on       reported: what course_lib's cross-rank check
+                                                                         (a built-in all_gather, timed) adds
+    overhead    ib_ndr   4       4 KiB,   ring                           reported: this machine's wall time per
+                                 1 MiB                                   call, modeled launch / plain launch
 
 Writes benchmarks/results/network_model_<part>.{json,md} (bench's tables) and network_model.md (the
 targets, measured). Overlap with backward on a modeled link is measured by
-`benchmarks/overlap_figures.py --network ...`.
+`benchmarks/overlap_figures.py --network ...`; the modeled clock under two busy processes, 64 ranks and
+torch's own all_reduce by `benchmarks/modeled_clock.py`.
 """
 
 from __future__ import annotations
@@ -41,25 +46,28 @@ from course_lib import allreduce, bench
 from course_lib.network import Network
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-BANDWIDTH = Network("50 MB/s", "200 us")
-LATENCY = Network("1 GB/s", "5 ms")
-BUSBW = Network("100 MB/s", "1 ms")
-PARTS = ("bandwidth", "latency", "scaling", "busbw", "overhead")
+BANDWIDTH = Network.preset("10GbE")
+LATENCY = Network.preset("ib_ndr")
+BUSBW = Network.preset("ib_ndr")
+PARTS = ("bandwidth", "latency", "scaling", "busbw", "checks", "overhead")
+EXACT = 1e-6          # on the modeled clock a time is the model's to rounding
 
 
-def _ratio_row(result: bench.Result, low: float, high: float) -> dict:
+def _ratio_row(result: bench.Result) -> dict:
     ratios = [t / result.predicted for t in result.times]
     spread = bench.spread(ratios)
     return dict(target=f"{result.variant}, G={result.world_size}, {bench.format_bytes(result.nbytes)}: time / model "
-                       f"in [{low}, {high}]", measured=spread, met=low <= spread["median"] <= high)
+                       f"within {EXACT:g} of 1, every repetition", measured=spread,
+                met=max(abs(x - 1) for x in ratios) <= EXACT)
 
 
-def model_part(name, network, world_sizes, size, variants, reps, low, high, stem):
+def model_part(name, network, world_sizes, size, variants, reps, stem, arg_checks=False):
     results = bench.run(sizes=[size], world_sizes=world_sizes, variants=variants, reps=reps, network=network,
-                        arg_checks=True, progress=True)
-    results.save(f"{stem}_{name}", title=f"All-reduce on a modeled link ({network.describe()}): measured",
-                 meta={"command": " ".join(sys.argv), "note": "argument checks on, as in a learner's call"})
-    return results, [_ratio_row(r, low, high) for r in results]
+                        arg_checks=arg_checks, progress=True)
+    note = "argument checks on, as in a learner's call" if arg_checks else "argument checks off: the algorithm alone"
+    results.save(f"{stem}_{name}", title=f"All-reduce on a modeled link ({network.describe()}): modeled clock",
+                 meta={"command": " ".join(sys.argv), "note": note})
+    return results, [_ratio_row(r) for r in results]
 
 
 def scaling_rows(results: bench.Results) -> list[dict]:
@@ -68,10 +76,11 @@ def scaling_rows(results: bench.Results) -> list[dict]:
         small, large = results.get(variant, 2, "8MiB"), results.get(variant, 8, "8MiB")
         # G=2 and G=8 ran in different launches: no pairing; the ratio of medians, and of the quartiles' extremes
         growth = large.median / small.median
+        model = large.predicted / small.predicted
         spread = dict(median=growth, q1=large.quartiles[0] / small.quartiles[1], q3=large.quartiles[1] / small.quartiles[0],
                       min=large.min / small.max, max=large.max / small.min, n=min(len(small.times), len(large.times)))
-        rows.append(dict(target=f"{variant}: time at G=8 / time at G=2, 8 MiB, {limit}", measured=spread,
-                         met=test(growth)))
+        rows.append(dict(target=f"{variant}: time at G=8 / time at G=2, 8 MiB, {limit} (model {model:.3f})",
+                         measured=spread, met=test(growth) and abs(growth / model - 1) <= EXACT))
     return rows
 
 
@@ -82,6 +91,16 @@ def busbw_rows(results: bench.Results, network: Network) -> list[dict]:
     spread = bench.spread(shares)
     return [dict(target=f"fastest at 64 MiB ({fastest.variant}): busbw / link bandwidth >= 0.9", measured=spread,
                  met=spread["median"] >= 0.9)]
+
+
+def checks_rows(results: bench.Results) -> list[dict]:
+    rows = []
+    for r in results:
+        spread = bench.spread([t / r.predicted for t in r.times])
+        rows.append(dict(target=f"{r.variant}, G={r.world_size}, {bench.format_bytes(r.nbytes)}, argument checks on: "
+                                f"time / model (reported: {round(1e6 * (r.median - r.predicted), 6) + 0.0:.2f} us added)",
+                         measured=spread, met=None))
+    return rows
 
 
 def _ring_times(rank, world_size, sizes, reps):
@@ -100,12 +119,13 @@ def _ring_times(rank, world_size, sizes, reps):
 
 
 def overhead_part(launches: int, reps: int, stem: str) -> list[dict]:
-    """Plain launches and launches with an unlimited link, alternating; one median per launch."""
+    """Plain launches and launches on ib_ndr, alternating; one median per launch of this machine's wall time per call
+    (time.perf_counter inside the ranks: what the modeled clock's bookkeeping costs this machine, not modeled time)."""
     sizes = [4096, 1 << 20]
-    medians = {(kind, n): [] for kind in ("plain", "unlimited") for n in sizes}
+    medians = {(kind, n): [] for kind in ("plain", "modeled") for n in sizes}
     for i in range(launches):
-        for kind in (("plain", "unlimited") if i % 2 == 0 else ("unlimited", "plain")):
-            network = None if kind == "plain" else Network("unlimited", 0)
+        for kind in (("plain", "modeled") if i % 2 == 0 else ("modeled", "plain")):
+            network = None if kind == "plain" else LATENCY
             per_rank = course_lib.launch(_ring_times, 4, args=(sizes, reps), network=network, timeout=300)
             for n in sizes:
                 slowest = [max(r[n][k] for r in per_rank) for k in range(reps)]
@@ -113,10 +133,10 @@ def overhead_part(launches: int, reps: int, stem: str) -> list[dict]:
         print(f"[overhead {i + 1}/{launches}]", file=sys.stderr, flush=True)
     rows = []
     for n in sizes:
-        ratios = [u / p for u, p in zip(medians[("unlimited", n)], medians[("plain", n)])]
+        ratios = [u / p for u, p in zip(medians[("modeled", n)], medians[("plain", n)])]
         spread = bench.spread(ratios)
-        rows.append(dict(target=f"ring, G=4, {bench.format_bytes(n)}: unlimited link / no network, within 5%",
-                         measured=spread, met=abs(spread["median"] - 1) <= 0.05))
+        rows.append(dict(target=f"ring, G=4, {bench.format_bytes(n)}: this machine's wall time per call, ib_ndr launch / "
+                                f"plain launch (reported)", measured=spread, met=None))
     with open(f"{stem}_overhead.json", "w", encoding="utf-8") as f:
         json.dump({"meta": bench.machine_description(), "launches": launches, "reps_per_launch": reps,
                    "medians_s": {f"{k} {n}": v for (k, n), v in medians.items()}}, f, indent=1)
@@ -124,22 +144,24 @@ def overhead_part(launches: int, reps: int, stem: str) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = ["# The modeled network against its own predictions (issue 16)", "",
+    lines = ["# The modeled network on its own clock, against its own predictions (issues 16 and 25)", "",
              f"Machine: {meta['cpus']} CPU(s) ({meta['cpu_model']}), torch {meta['torch']}, Python {meta['python']}, "
              f"{meta['date']}. Load average before: {meta['load_before']}, after: {meta['load_after']}.", "",
-             f"Command: `{meta['command']}`. Times: the slowest rank per repetition, argument checks on; "
-             "ratios are per repetition (time / the model's prediction), their median and spread.", "",
+             f"Command: `{meta['command']}`. Times: the modeled clock (`course_lib.clock()`), the slowest rank per "
+             "repetition, argument checks off unless the row says on; ratios are per repetition (time / the model's "
+             "prediction), their median and spread. The overhead rows are this machine's wall clock, whose load is "
+             "given above.", "",
              "| target | median (IQR; min..max) | n | met |", "| --- | --- | --- | --- |"]
     for row in rows:
         m = row["measured"]
         lines.append(f"| {row['target']} | {m['median']:.3f} ({m['q1']:.3f}..{m['q3']:.3f}; {m['min']:.3f}..{m['max']:.3f})"
-                     f" | {m['n']} | {'yes' if row['met'] else 'NO'} |")
+                     f" | {m['n']} | {'-' if row['met'] is None else 'yes' if row['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)}")
     parser.add_argument("--out", default=str(RESULTS / "network_model"), help="stem of the files written")
     args = parser.parse_args(argv)
@@ -153,17 +175,20 @@ def main(argv=None) -> int:
     rows = []
     if "bandwidth" in parts:
         rows += model_part("bandwidth", BANDWIDTH, [4], "8MiB", ["ring", "naive", "parameter_server"], args.reps,
-                           0.85, 1.35, args.out)[1]
+                           args.out)[1]
     if "latency" in parts:
-        rows += model_part("latency", LATENCY, [4], "4KiB", ["ring", "tree"], args.reps, 0.85, 1.5, args.out)[1]
+        rows += model_part("latency", LATENCY, [4], "4KiB", ["ring", "tree"], args.reps, args.out)[1]
     if "scaling" in parts:
-        results, _ = model_part("scaling", BANDWIDTH, [2, 8], "8MiB", ["ring", "parameter_server"], args.reps,
-                                0.85, 1.35, args.out)
-        rows += scaling_rows(results)
+        results, ratio_rows = model_part("scaling", BANDWIDTH, [2, 8], "8MiB", ["ring", "parameter_server"],
+                                         args.reps, args.out)
+        rows += ratio_rows + scaling_rows(results)
     if "busbw" in parts:
-        results, _ = model_part("busbw", BUSBW, [4], "64MiB", ["ring", "ring_pipelined", "halving_doubling"],
-                                args.reps, 0.85, 1.35, args.out)
-        rows += busbw_rows(results, BUSBW)
+        results, ratio_rows = model_part("busbw", BUSBW, [4], "64MiB", ["ring", "ring_pipelined", "halving_doubling"],
+                                         args.reps, args.out)
+        rows += ratio_rows + busbw_rows(results, BUSBW)
+    if "checks" in parts:
+        results, _ = model_part("checks", LATENCY, [4], "4KiB", ["ring"], args.reps, args.out, arg_checks=True)
+        rows += checks_rows(results)
     if "overhead" in parts:
         rows += overhead_part(max(args.reps, 9), 15, args.out)
     meta["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -172,7 +197,7 @@ def main(argv=None) -> int:
     with open(f"{args.out}{suffix}.md", "w", encoding="utf-8") as f:
         f.write(text)
     print(text)
-    return 0 if all(row["met"] for row in rows) else 1
+    return 0 if all(row["met"] is not False for row in rows) else 1
 
 
 if __name__ == "__main__":
