@@ -27,9 +27,12 @@ share two cores. The report then also gives max(compute, communication), the lea
 when the two overlap perfectly (compute = the one-all-reduce step minus its all-reduce).
 
 With --compute-ms F,B every layer with parameters is followed by a training.ComputeDelay: its forward
-takes F ms and its backward B ms, sleeping (an accelerator's compute, the CPU free meanwhile). With
---network too, both compute and communication are modeled and the step shows the schedule, not this
-machine's two cores: what overlap buys where compute and communication use different hardware.
+takes F ms and its backward B ms (an accelerator's compute: on the modeled clock it moves the rank's clock,
+without --network it sleeps, the CPU free meanwhile). With --network too, both compute and communication are
+modeled and the step is the schedule, not this machine's two cores: what overlap buys where compute and
+communication use different hardware, the same in every repetition. On the modeled clock a step is read
+as the time from one step's end to the next on the slowest rank (the ranks leave the broadcast of the
+initial parameters at different moments, so one rank's own step total includes waiting for the others).
 
 Writes benchmarks/results/overlap_figures_<G>ranks[_network][_compute].json (every number, the machine, the load average
 before and after) and overlap_figures_<G>ranks.md (a short table). Not a test: the figures depend on the machine and
@@ -78,11 +81,14 @@ def make_data(samples: int, width: int, classes: int = 10, seed: int = 0):
     return torch.randn(samples, width, generator=generator), torch.randint(0, classes, (samples,), generator=generator)
 
 
-def _summary(timelines) -> dict:
-    """Means over the measured steps of one run (the first step dropped) on one rank."""
+def _summary(timelines, done=None) -> dict:
+    """Means over the measured steps of one run (the first step dropped) on one rank; with `done` (the rank's clock
+    when training returned) also every step's end on that clock ("ends")."""
     kept = timelines[1:]
     mean = lambda values: statistics.fmean(values)  # noqa: E731
-    return {"step": mean([t.total for t in kept]), "forward": mean([t.forward for t in kept]),
+    totals = [t.total for t in timelines]
+    ends = None if done is None else [done - sum(totals[s + 1:]) for s in range(len(totals))]
+    return {"ends": ends, "step": mean([t.total for t in kept]), "forward": mean([t.forward for t in kept]),
             "backward": mean([t.backward for t in kept]), "communication": mean([t.communication for t in kept]),
             "exposed_communication": mean([t.exposed_communication for t in kept]),
             "optimizer": mean([t.optimizer for t in kept])}
@@ -111,7 +117,7 @@ def measure(rank, world_size, options):
                                                    batch_size=options["batch"], max_steps=options["steps"] + 1,
                                                    seed=rep, allreduce=options["allreduce"], **buckets)
                 if rep > 0:
-                    runs[name].append(_summary(log.timeline))
+                    runs[name].append(_summary(log.timeline, course_lib.clock() if options["network"] else None))
                 if rep == options["reps"] and name == "buckets, overlap":
                     example = dataclasses.asdict(log.timeline[-1])
     return {"runs": runs, "example_step": example}
@@ -125,6 +131,18 @@ def _spread(values) -> dict:
 def analyse(per_rank: list, options: dict) -> dict:
     """Slowest rank per repetition, then median and spread over the repetitions."""
     reps = options["reps"]
+    if options.get("network"):     # the modeled clock: a step is the slowest rank's time from one step's end to the next
+        for name in VARIANTS:
+            for i in range(reps):
+                ends = [max(r["runs"][name][i]["ends"][s] for r in per_rank)
+                        for s in range(len(per_rank[0]["runs"][name][i]["ends"]))]
+                period = statistics.fmean(b - a for a, b in zip(ends, ends[1:]))
+                for r in per_rank:
+                    r["runs"][name][i]["step"] = period
+    for r in per_rank:
+        for name in VARIANTS:
+            for run in r["runs"][name]:
+                run.pop("ends", None)
     figures = {}
     for name in VARIANTS:
         slowest = [max(per_rank, key=lambda r: r["runs"][name][i]["step"])["runs"][name][i] for i in range(reps)]
@@ -171,9 +189,12 @@ def markdown(result: dict) -> str:
         f"({result['gradient_mib']:.1f} MiB of gradient), batch {o['batch']} per rank, buckets of {o['bucket_mb']} MiB "
         f"({result['buckets']} buckets), all-reduce `{o['allreduce']}`; {o['reps']} interleaved repetitions of "
         f"{o['steps']} steps each; slowest rank per repetition."
-        + (f" Modeled network: {o['network']} (every message takes that link's time)." if o.get("network") else "")
+        + (f" Modeled network: {o['network']}: every message takes that link's time on the modeled clock "
+           "(course_lib.clock()), which every time here reads; a step is the slowest rank's time from one step's end "
+           "to the next." if o.get("network") else " This machine's clock.")
         + (f" Modeled compute: every layer with parameters takes {o['compute_ms'][0]:g} ms forward and "
-           f"{o['compute_ms'][1]:g} ms backward (training.ComputeDelay, sleeping)." if o.get("compute_ms") else ""),
+           f"{o['compute_ms'][1]:g} ms backward (training.ComputeDelay"
+           + (", on the modeled clock)." if o.get("network") else ", sleeping).") if o.get("compute_ms") else ""),
         "",
         f"Machine: {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, {m['date']}. "
         f"Load average (1, 5, 15 min) before: {result['load_before']}, after: {result['load_after']}"
