@@ -217,8 +217,7 @@ class Maestro:
 
     def _progress(self) -> None:
         for actor, _request, clock, detail in self.sim.run():
-            rank = actor_rank(actor)
-            matches = self.sim.matched(rank)
+            matches = self.sim.matched(actor)
             if isinstance(detail, bool):
                 detail = int(detail)
             elif detail is None:

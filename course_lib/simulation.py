@@ -155,7 +155,7 @@ class Simulator:
         self.posted: dict = {}               # rank -> receives posted and not matched, in post order
         self.collectives: dict = {}          # (group, seq) -> _Collective
         self.woken: list = []                # (actor, request, time, detail) to hand back from run()
-        self.matches: dict = {}              # rank -> [(request, source)] matched since last asked
+        self.matches: dict = {}              # actor -> [(request, source)] of its receives matched since last asked
         self.notices: list = []              # (actor, request, time): sends that left while nobody waited on them
         self.messages = 0
         self.bytes_out = [0] * world_size
@@ -317,9 +317,12 @@ class Simulator:
                 self._complete(other, start + cost)
         return request
 
-    def matched(self, rank: int) -> list:
-        """The (request id, source rank) of `rank`'s receives matched since the last call, in match order."""
-        return self.matches.pop(rank, [])
+    def matched(self, actor_id: int) -> list:
+        """The (request id, source rank) of the actor's receives matched since the last call, in match order.
+
+        Per actor, not per rank: the thread that posted a receive is the one that reads its match (with the answer
+        to its next blocking call), so a match never waits in the socket of a thread that is not reading."""
+        return self.matches.pop(actor_id, [])
 
     # -- processing ------------------------------------------------------------------------------
 
@@ -437,7 +440,7 @@ class Simulator:
 
     def _match(self, request: _Request, message: _Message, time: float) -> None:
         request.message, request.source = message, message.src
-        self.matches.setdefault(request.rank, []).append((request.id, message.src))
+        self.matches.setdefault(request.actor.id, []).append((request.id, message.src))
         self._complete(request, time)
 
     def _complete(self, request: _Request, time: float) -> None:
