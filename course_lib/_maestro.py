@@ -188,9 +188,10 @@ class Maestro:
                     return
                 sim.test(actor, clock, request, x)
             elif op == COLLECTIVE:
-                kind = payload[:24].rstrip(b"\0").decode()
+                kind, _, element = payload[:24].rstrip(b"\0").decode().partition(":")
                 members = struct.unpack(f"<{(len(payload) - 24) // 4}i", payload[24:])
-                sim.collective(actor, clock, request, b, members, a, kind, int(x), None if c < 0 else c)
+                sim.collective(actor, clock, request, b, members, a, kind, int(x), None if c < 0 else c,
+                               int(element or 1))
             elif op == PARK:
                 sim.park(actor, clock, a)
             elif op == WAKE:

@@ -375,6 +375,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
         )
         if network is not None:
             _clock.activate(network, files.network, rank, world_size)
+            _clock.cover_aliases(getattr(fn, "__globals__", {}))  # `from torch.distributed import all_reduce`
         result = fn(rank, world_size, *args, **kwargs)
         _work.finish()  # async collectives still running would race the result (and the barrier below)
         _clock.deactivate()  # this rank's clock stops here; the barrier below is the launcher's, not fn's
@@ -967,6 +968,7 @@ def _torchrun_network(network, rank: int, world_size: int):
     path = store.get(key).decode()
     dist.barrier()  # the coordinator listens before anyone joins
     _clock.activate(network, path, rank, world_size)
+    _clock.cover_aliases(getattr(sys.modules.get("__main__"), "__dict__", {}))
     return (network, maestro)
 
 

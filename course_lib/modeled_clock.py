@@ -507,6 +507,16 @@ _COLLECTIVES = {
 }
 
 
+def _element_size(arguments) -> int:
+    """Bytes per element of the collective's tensor (the pieces of its schedule are cut in whole elements)."""
+    for value in arguments.values():
+        if isinstance(value, torch.Tensor):
+            return value.element_size()
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return value[0].element_size()
+    return 1
+
+
 def _group_size(group) -> int:
     return dist.get_world_size(group)
 
@@ -566,7 +576,9 @@ def _collective(name, original):
         code = _group_code(group)
         members = _members(group)
         request = state.request_id()
-        payload = (kind if timed else "sync").encode().ljust(24, b"\0") + struct.pack(f"<{len(members)}i", *members)
+        element = _element_size(arguments)
+        payload = (f"{kind}:{element}" if timed else "sync").encode().ljust(24, b"\0") + \
+            struct.pack(f"<{len(members)}i", *members)
         link = state.link()
         link.send(wire.COLLECTIVE, request, a=state.next_sequence(code), b=code, c=-1 if root is None else root,
                   x=float(nbytes), payload=payload)
@@ -639,6 +651,25 @@ def activate(network, path: str, rank: int, world_size: int) -> None:
     _original["new_group"] = distributed_c10d.new_group
     for module in (dist, distributed_c10d):
         setattr(module, "new_group", _new_group(_original["new_group"]))
+
+
+def cover_aliases(namespace: dict) -> list:
+    """Time torch's calls that `namespace` (a function's globals) holds under names of its own.
+
+    `from torch.distributed import all_reduce` at the top of a notebook binds the function itself, before any
+    launch: replacing `dist.all_reduce` later does not reach that name, and its calls would read no time. Inside
+    a rank (a process of its own) this rebinds such names to the modeled versions. Returns the names it rebound.
+    """
+    if _state is None:
+        return []
+    modeled = {id(original): getattr(dist, name) for name, original in _original.items()}
+    rebound = []
+    for name, value in list(namespace.items()):
+        replacement = modeled.get(id(value))
+        if replacement is not None and replacement is not value:
+            namespace[name] = replacement
+            rebound.append(name)
+    return rebound
 
 
 def deactivate() -> None:

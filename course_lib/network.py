@@ -309,7 +309,7 @@ class Network:
         if algorithm in ("builtin", "nccl"):     # torch's all_reduce on the modeled clock: NCCL's choice
             from course_lib import simulation
 
-            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)))
+            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
         numel = nbytes // element_size
         chunk = -(-numel // g) * element_size  # the largest of torch.tensor_split's G chunks
         full = self.topology == "full"
@@ -518,7 +518,7 @@ class Cluster:
         if algorithm in ("builtin", "nccl"):
             from course_lib import simulation
 
-            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)))
+            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
         return _simulated(self, algorithm, int(nbytes), g, element_size, segment_bytes,
                           self.per_node if algorithm == "hierarchical" else None)
 

@@ -289,7 +289,7 @@ class Simulator:
         self._testing.add(actor.id)
 
     def collective(self, actor_id: int, clock: float, request_id, group, members, seq: int, kind: str,
-                   nbytes: int = 0, root: int | None = None):
+                   nbytes: int = 0, root: int | None = None, element_size: int = 1):
         """Enter a built-in collective (`seq`-th on `group`, over global ranks `members`); its request completes,
         on every member, `collective_time` after the last member entered. Kind 'sync' costs nothing."""
         actor = self.sync_clock(actor_id, clock)
@@ -312,7 +312,8 @@ class Simulator:
         if len(entry.entries) == len(members):
             del self.collectives[key]
             start = max(clock for clock, *_ in entry.entries.values())
-            cost = 0.0 if kind == "sync" else collective_time(self.network, kind, nbytes, members, root)
+            cost = 0.0 if kind == "sync" else collective_time(self.network, kind, nbytes, members, root,
+                                                               element_size=element_size)
             for _, _, _, other in entry.entries.values():
                 self._complete(other, start + cost)
         return request
@@ -675,11 +676,12 @@ _cache: dict = {}
 
 
 def collective_time(network, kind: str, nbytes: int, members, root: int | None = None,
-                    with_algorithm: bool = False):
+                    with_algorithm: bool = False, element_size: int = 4):
     """Seconds a built-in collective takes on an idle `network` over global ranks `members` (in group order).
 
     `nbytes`: the tensor's bytes for all_reduce, broadcast and reduce; the whole buffer (G pieces) for
-    all_gather, reduce_scatter, all_to_all, gather and scatter. A barrier costs nothing: the clocks only line up.
+    all_gather, reduce_scatter, all_to_all, gather and scatter; pieces are cut in whole elements of `element_size`
+    bytes. A barrier costs nothing: the clocks only line up.
     With `with_algorithm=True`, returns (seconds, the schedule's name).
     """
     members = tuple(members)
@@ -687,14 +689,14 @@ def collective_time(network, kind: str, nbytes: int, members, root: int | None =
         return (0.0, "none") if with_algorithm else 0.0
     if kind not in _SCHEDULES:
         raise ValueError(f"no model for the collective {kind!r}; known: {', '.join(COLLECTIVES)}")
-    key = (network, kind, int(nbytes), members, root)
+    key = (network, kind, int(nbytes), members, root, element_size)
     best = _cache.get(key)
     if best is None:
         group_root = members.index(root) if root in members else 0
         placed = _Placed(network, members)
         options = []
         for algorithm in _SCHEDULES[kind]:
-            events = schedule(algorithm, int(nbytes), len(members), root=group_root, element_size=1)
+            events = schedule(algorithm, int(nbytes), len(members), root=group_root, element_size=element_size)
             options.append((replay(events, placed).seconds, algorithm))
         best = _cache[key] = min(options)
         if len(_cache) > 4096:

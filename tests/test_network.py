@@ -508,3 +508,30 @@ def test_an_async_worker_and_the_main_thread_share_a_rank_on_the_modeled_clock()
     # never posted, or posted out of order and filled with another message's bytes)
     runs = [course_lib.launch(_zero3_with_prefetch, 4, network="1GbE", timeout=120) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+ALL_REDUCE_TAKEN_EARLY = dist.all_reduce   # as `from torch.distributed import all_reduce` at a notebook's top
+ISEND_TAKEN_EARLY = dist.isend
+
+
+def _through_aliases(rank, world_size):
+    tensor = torch.ones(4 * 2 ** 20 // 4)
+    dist.barrier()
+    start = course_lib.clock()
+    ALL_REDUCE_TAKEN_EARLY(tensor)
+    reduced = course_lib.clock() - start
+    dist.barrier()
+    start = course_lib.clock()
+    if rank == 0:
+        ISEND_TAKEN_EARLY(tensor, 1).wait()
+    elif rank == 1:
+        dist.recv(tensor, 0)
+    return reduced, course_lib.clock() - start
+
+
+def test_names_bound_to_torchs_calls_before_the_launch_are_timed_too():
+    net = Network.preset("ib_ndr")
+    results = course_lib.launch(_through_aliases, 2, network=net)
+    for reduced, _ in results:
+        assert reduced == pytest.approx(net.predict("builtin", 4 * 2 ** 20, 2), rel=EXACT)
+    assert results[1][1] == pytest.approx(net.message_time(4 * 2 ** 20), rel=EXACT)
