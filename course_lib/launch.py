@@ -772,7 +772,8 @@ def _diagnose(blocked: dict) -> str:
         return (f"Rank(s) {sorted(in_torch)} wait inside {' / '.join(names)}: a torch.distributed collective returns "
                 "only when every rank has called it, in the same order, with tensors of the same size and dtype. "
                 "torch does not check that, so a rank that called something else, returned early, or passed a tensor "
-                "of another size leaves the others waiting.")
+                "of another size leaves the others waiting. If every rank did call it and the work is only slow, "
+                "give launch a longer `timeout=` (seconds).")
     if receiving and len(receiving) == len(blocked) - len(finished):
         return ("Every running rank is waiting to receive, so nobody sends: a deadlock. "
                 "Make one side send first, or post the send with isend before the recv.")
