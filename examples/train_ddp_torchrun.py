@@ -5,7 +5,7 @@
     python examples/train_ddp_torchrun.py --world-size 4     # no torchrun: course_lib.launch starts the ranks
 
 torchrun starts one process per rank and tells each its RANK, WORLD_SIZE and where to meet; the
-script does the five steps of DDP (below) and trains a small MLP on a spiral data set made in code.
+script does the five parts of DDP (below) and trains a small MLP on a spiral data set made in code.
 ``--comm-hook ring`` makes DDP average the gradients with course_lib's hand-written ring instead
 of its own all-reduce: the result is the same. Rank 0 prints one progress line per epoch, then
 checks that every rank ended with bit-identical parameters.
@@ -94,7 +94,7 @@ def main():
     if int(os.environ.get("RANK", 0)) == 0:
         world_size = len(results)
         same = len({r["fingerprint"] for r in results}) == 1
-        print(f"trained on {world_size} ranks, {results[0]['steps']} steps, comm hook: {args.comm_hook}")
+        print(f"trained on {world_size} ranks, {results[0]['steps']} training steps, comm hook: {args.comm_hook}")
         print(f"parameters identical on all {world_size} ranks: {same}")
         print(f"final loss {results[0]['loss']:.4f}")
         if not same:

@@ -1,6 +1,6 @@
 """Data-parallel training from scratch: what `DistributedDataParallel` does, spelled out.
 
-Every rank holds a full replica of the model. One training step on G ranks:
+Every rank holds a full replica of the model. One training step on G ranks, in five parts:
 
     0. (once) rank 0's parameters are broadcast, so every replica starts from the same point
     1. each rank takes its own disjoint slice of the global batch          (sharding.py)
@@ -9,20 +9,20 @@ Every rank holds a full replica of the model. One training step on G ranks:
     4. optimizer.step() on every rank: the same gradient on the same parameters gives the same
        parameters, so the replicas stay identical, bit for bit, without ever sending a parameter
 
-Step 3 is one all-reduce of one flat buffer holding every gradient, plus two numbers:
+Part 3 is one all-reduce of one flat buffer holding every gradient, plus two numbers:
 
     [ count_r * grad_r (all parameters) ... | count_r * loss_r | count_r ]   --all-reduce SUM-->
     [ sum_r count_r grad_r ...              | sum_r count_r loss_r | total ] / total
 
 Dividing by the total number of samples (not by G) is what keeps the step exact when the ranks'
 batches differ in size: the mean of per-rank means equals the global mean only when every rank
-has the same number of samples. Weighted this way, G ranks with batch B compute exactly the step
-one process computes on the same N x B samples (up to floating-point rounding).
+has the same number of samples. Weighted this way, G ranks with batch B compute exactly the training
+step one process computes on the same G x B samples (up to floating-point rounding).
 
 Use inside a function started by `course_lib.launch` (or torchrun)::
 
     def fn(rank, world_size):
-        model = toy.make_mlp(seed=rank)              # different on purpose: step 0 repairs that
+        model = toy.make_mlp(seed=rank)              # different on purpose: part 0 repairs that
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         return train_data_parallel(model, optimizer, (inputs, labels), F.cross_entropy, batch_size=16)
 """
@@ -134,7 +134,7 @@ def set_flat_gradient(model: nn.Module, flat: torch.Tensor) -> None:
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers into every rank's model, in place (step 0).
+    """Copy rank `src`'s parameters and buffers into every rank's model, in place (part 0).
 
     Everything travels as one flat tensor through `course_lib.collectives.broadcast`: one message
     per rank instead of one per parameter.
@@ -185,7 +185,7 @@ def batch_norm_note(model: nn.Module, batch_size: int, world_size: int) -> str |
 
 
 def average_gradients(model: nn.Module, count: int, loss_sum: float, allreduce: str | Callable = "ring"):
-    """Step 3: replace every rank's local gradient by the gradient of the global batch.
+    """Part 3: replace every rank's local gradient by the gradient of the global batch.
 
     Args:
         model: this rank's replica; its ``.grad`` fields hold the gradient of the *mean* loss over
@@ -206,7 +206,7 @@ def average_gradients(model: nn.Module, count: int, loss_sum: float, allreduce: 
 
 
 def apply_reduced_gradient(model: nn.Module, buffer: torch.Tensor):
-    """Finish step 3 from the all-reduced ``[sum_r count_r grad_r | sum_r loss_r | total]`` buffer.
+    """Finish part 3 from the all-reduced ``[sum_r count_r grad_r | sum_r loss_r | total]`` buffer.
 
     Sets every ``.grad`` to the global batch's gradient (the sum divided by the total sample count).
 
@@ -391,7 +391,7 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
     if note and rank == 0:
         print(note, flush=True)
     if not layered:
-        broadcast_parameters(model)                                                  # step 0 (layered: done)
+        broadcast_parameters(model)                                                  # part 0 (layered: done)
     has_buffers = any(True for _ in model.buffers())
     if record_parameters:
         log.parameters.append(_parameters_now(model, optimizer, layered))
@@ -404,7 +404,7 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
     try:
         for epoch in range(start_epoch, start_epoch + epochs):
             mine = sharding.shard_indices(n, rank, world_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                          drop_last=drop_last, pad=pad)                    # step 1
+                                          drop_last=drop_last, pad=pad)                    # part 1
             batches = sharding.split_batches(mine, batch_size)
             for step in range(steps):
                 if max_steps is not None and len(log.losses) >= max_steps:
@@ -454,14 +454,14 @@ def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, 
     optimizer.zero_grad()
     loss, loss_sum = None, 0.0
     if data is not None:
-        loss = _local_loss(model, loss_fn, *data)                                         # step 2
+        loss = _local_loss(model, loss_fn, *data)                                         # part 2
         loss_sum = loss.item() * count
     # Time zero of the step's timeline: the start of backward (the buckets count from the same instant).
     t_backward = buckets.start_step(count, loss_sum) if buckets is not None else _clock.clock()
     if loss is not None:
         loss.backward()
     t_backward_end = _clock.clock()
-    if buckets is not None:                                                              # step 3
+    if buckets is not None:                                                              # part 3
         buffer, bucket_timings = buckets.finish()
         total, global_loss = apply_reduced_gradient(model, buffer)
     else:
@@ -472,7 +472,7 @@ def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, 
                 total, global_loss = average_gradients(model, count, loss_sum, reduce_in_place)
         bucket_timings = [_after_backward_timing(model, t_backward, t_backward_end, recording)]
     t_reduced = _clock.clock()
-    optimizer.step()                                                                      # step 4
+    optimizer.step()                                                                      # part 4
     t_end = _clock.clock()
     timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
                             communication_done=t_reduced - t_backward if buckets is None else

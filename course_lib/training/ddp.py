@@ -1,6 +1,6 @@
 """PyTorch's own DistributedDataParallel, and course_lib's all-reduce running inside it.
 
-`train_ddp` is the textbook DDP loop, in the five steps every tutorial lists:
+`train_ddp` is the textbook DDP loop, in the five parts every tutorial lists:
 
     1. init_process_group            (done by course_lib.launch or torchrun before we get here)
     2. pick this rank's device       (course_lib.device(): the CPU under gloo, GPU `rank` under NCCL)
