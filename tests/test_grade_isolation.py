@@ -573,14 +573,25 @@ def test_a_notebook_of_60000_cells_is_refused_as_too_large(battery):
     assert "has 60,000 cells, more than the 2,000 the grader reads" in results["output"]
 
 
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def test_nothing_is_left_behind(battery):
     """No process, file, System V object of a sandbox user anywhere; no cgroup, mount or folder of the run; the
     space it used in /dev/shm free again."""
     for uid, left in battery["left"].items():
         assert left == {"processes": [], "ipc": [], "files": []}, (uid, left)
+    # No sandbox's cgroup outlives its warden (whose pid names it). Another test's grading may run beside this one
+    # (pytest-xdist): its wardens are alive, and their cgroups are theirs to remove.
     for hierarchy in pathlib.Path("/sys/fs/cgroup").iterdir():
         leftover = [p for p in hierarchy.rglob("course_lib-sandbox-*")] if hierarchy.is_dir() else []
-        assert not [p for p in leftover if p.is_dir()], leftover
+        orphaned = [p for p in leftover if p.is_dir() and not _alive(int(p.name.rsplit("-", 1)[1]))]
+        assert not orphaned, orphaned
     assert "course_lib-grading-" not in pathlib.Path("/proc/self/mountinfo").read_text()
     assert battery["shm_after"] <= battery["shm_before"] + (32 << 20), (battery["shm_before"], battery["shm_after"])
 
@@ -707,3 +718,30 @@ def test_without_namespaces_a_readable_solution_anywhere_stops_the_grader(tmp_pa
         assert "could read" in done.stderr and "my_copy.ipynb" in done.stderr and "chmod" in done.stderr, done.stderr
     finally:
         shutil.rmtree(exposed, ignore_errors=True)
+
+
+def test_a_cgroup_left_by_a_killed_warden_is_removed_by_the_next_sandbox(tmp_path):
+    """A grader killed with its warden leaves the sandbox's cgroups behind; starting the next sandbox removes every
+    one whose warden no longer runs, and leaves a running warden's alone."""
+    warden = sandbox._warden_module()
+    mounts, own = warden._cgroup_mounts(), warden._own_cgroups()
+    controller = next((c for c in ("pids", "memory", "unified") if c in mounts), None)
+    if controller is None:
+        pytest.skip("no cgroup file system mounted")
+    parent = pathlib.Path(mounts[controller]) / own.get(controller, "/").lstrip("/")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()                                              # a pid that no longer runs: a killed warden's
+    stale, live = parent / f"{warden.CGROUP_PREFIX}{ended.pid}", parent / f"{warden.CGROUP_PREFIX}{os.getpid()}"
+    try:
+        stale.mkdir()
+        live.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup here: {exc}")
+    try:
+        assert str(stale) in warden.sandbox_cgroups() and str(live) in warden.sandbox_cgroups()
+        assert warden.remove_orphaned_cgroups() == []
+        assert not stale.exists() and live.exists()           # this test's pid runs: its folder stays
+    finally:
+        for folder in (stale, live):
+            if folder.exists():
+                folder.rmdir()

@@ -302,7 +302,7 @@ def test_torchrun_example_runs_and_matches_train_ddp():
                str(ROOT / "examples" / "train_ddp_torchrun.py"), "--max-steps", str(steps), "--comm-hook", "ring"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"trained on 2 ranks, {steps} steps, comm hook: ring" in done.stdout, done.stdout
+    assert f"trained on 2 ranks, {steps} training steps, comm hook: ring" in done.stdout, done.stdout
     assert "parameters identical on all 2 ranks: True" in done.stdout
     printed = float(re.search(r"final loss (\d+\.\d+)", done.stdout).group(1))
     log = run(_ddp_like_the_example, 2, steps)[0]

@@ -35,6 +35,7 @@ besides the kernel were still running.
 
 import ctypes
 import errno
+import glob
 import json
 import os
 import select
@@ -458,23 +459,65 @@ class Cgroups:
 
     def remove(self):
         for folder in self.dirs:
-            for _ in range(200):
-                try:
-                    os.rmdir(folder)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
+            remove_cgroup(folder)
+
+
+CGROUP_PREFIX = "course_lib-sandbox-"      # + the warden's pid: the cgroups of one sandbox
+
+
+def remove_cgroup(folder, seconds=30.0, reap=True):
+    """Kill what is still in the cgroup `folder` and remove it; True once it is gone.
+
+    A killed process stays charged to the cgroup until its parent reaps it, and the warden is the subreaper of
+    everything in its sandbox: so the warden reaps while it waits (`reap`), or a busy machine's slow exits would
+    keep the folder. Any other caller must not (it would collect its own children's exit statuses)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            os.rmdir(folder)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+        try:
+            with open(os.path.join(folder, "cgroup.procs")) as f:
+                for pid in f.read().split():
                     try:
-                        with open(os.path.join(folder, "cgroup.procs")) as f:
-                            for pid in f.read().split():
-                                try:
-                                    os.kill(int(pid), signal.SIGKILL)
-                                except (OSError, ValueError):
-                                    pass
-                    except OSError:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (OSError, ValueError):
                         pass
-                    time.sleep(0.02)
+        except OSError:
+            pass
+        if reap:
+            _reap()
+        time.sleep(0.02)
+
+
+def sandbox_cgroups(warden_pid=None):
+    """The sandboxes' cgroup folders beside this process's own cgroups (where wardens started by this process, or
+    by another with the same cgroups, make them): all of them, or those of one warden."""
+    mounts, own = _cgroup_mounts(), _own_cgroups()
+    name = CGROUP_PREFIX + (str(warden_pid) if warden_pid is not None else "*")
+    found = set()
+    for controller, mount in mounts.items():
+        parent = os.path.join(mount, own.get(controller, "/").lstrip("/"))
+        found.update(glob.glob(os.path.join(glob.escape(parent), name)))
+    return sorted(found)
+
+
+def remove_orphaned_cgroups(warden_pid=None):
+    """Remove the cgroups of one warden that has ended (it was killed before it could), or of every warden that no
+    longer runs: a grader that was itself killed leaves them behind. Returns the folders it could not remove."""
+    left = []
+    for folder in sandbox_cgroups(warden_pid):
+        pid = os.path.basename(folder)[len(CGROUP_PREFIX):]
+        if warden_pid is None and (not pid.isdigit() or _running(int(pid))):
+            continue                       # a warden still at work (or not one of ours)
+        if not remove_cgroup(folder, seconds=10.0, reap=False):
+            left.append(folder)
+    return left
 
 
 def _pss(pid):
@@ -949,7 +992,7 @@ def run(config):
     log = _Log(output)
     cgroups = None
     if config.get("cgroups") and os.geteuid() == 0:
-        cgroups = Cgroups(f"course_lib-sandbox-{os.getpid()}", config["memory"], config["processes"])
+        cgroups = Cgroups(f"{CGROUP_PREFIX}{os.getpid()}", config["memory"], config["processes"])
         config["cgroup_memory"] = "memory" in cgroups.held
     namespaces = config["isolation"] == "namespaces"
     init, report = None, None

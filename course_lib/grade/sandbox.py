@@ -746,6 +746,8 @@ class Sandbox:
         elif isolation == "users":
             config.update(shared_dirs=shared_dirs(), skip_dirs=[str(p) for p in mirror_folders()],
                           nproc=_NPROC_FACTOR * limits.processes)
+        if config["cgroups"]:      # what a grader killed before it finished left: no cgroup outlives its warden
+            _warden_module().remove_orphaned_cgroups()
         try:
             warden = subprocess.Popen([sys.executable, WARDEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, pass_fds=(to_read, from_write))
@@ -921,6 +923,8 @@ class Sandbox:
         except subprocess.TimeoutExpired:
             warden.kill()
             warden.wait()
+        if running_as_root():      # a warden killed before it removed its cgroups: remove them here
+            _warden_module().remove_orphaned_cgroups(warden.pid)
         for stream in (warden.stdout, warden.stderr):
             stream.close()
         clean = next((l for l in self._lines if l.startswith("clean")), "")
