@@ -26,10 +26,10 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
     all_gather           02        all_gather(tensor_list, tensor)     tensor_list[j] = rank j's tensor
     naive                03        naive(tensor)                       all-reduce (sum) by full exchange
     parameter_server     03        parameter_server(tensor, root=0)    all-reduce (sum) through `root`
-    ring_scatter_reduce  04        ring_scatter_reduce(tensor) -> int  step s: rank r sends chunk (r-s) mod G
+    ring_scatter_reduce  04        ring_scatter_reduce(tensor) -> int  step k: rank r sends chunk (r-k) mod G
                                                                        to r+1, adds what arrives; returns
                                                                        (r+1) mod G
-    ring_all_gather      05        ring_all_gather(tensor)             step s: rank r sends chunk (r+1-s) mod G
+    ring_all_gather      05        ring_all_gather(tensor)             step k: rank r sends chunk (r+1-k) mod G
                                                                        to r+1, the receiver overwrites
     ring                 05        ring(tensor)                        the two phases: the whole all-reduce
     average_gradients    07        average_gradients(model)            after backward: every .grad becomes the
@@ -80,7 +80,7 @@ Questions (`answer` is a value, or a function of G and N for a formula):
     traffic_ring_per_rank          06  formula: elements one rank sends, ring (N divisible by G)
     ring_steps                     06  formula: steps of the ring all-reduce
     straggler_staleness            08  a number: mean staleness of the straggler's gradients in a recorded run
-    stable_step_size               08  a number: the largest stable step size for staleness s and curvature L
+    stable_step_size               08  a number: the largest stable step size for staleness s and curvature λ
 
 A formula is a string such as "G*(G-1)*N" (also "G(G-1)N", "2(G-1)N/G"; parsed with `ast`, never
 executed) or a Python function ``lambda G, N: ...``.

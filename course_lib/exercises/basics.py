@@ -269,7 +269,7 @@ register(PassToken(
             "held, own first",
     rubric=(RubricLine("messages", "every rank sends G - 1 messages, each to its right neighbour (rank + 1) % "
                                    "world_size", 1.5),
-            RubricLine("passes", "in step s a rank passes on rank (r - s)'s token, the one it received in step s - 1",
+            RubricLine("passes", "in step k a rank passes on rank (r - k)'s token, the one it received in step k - 1",
                        1.5),
             RubricLine("returned", "the returned list holds the tokens of ranks r, r-1, ..., r-G+1, its own first", 1),
             RubricLine("single", "with one rank (G = 1) it returns [its own token] and sends nothing", 1,

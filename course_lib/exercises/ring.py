@@ -1,15 +1,15 @@
 """Notebooks 04 and 05: the ring all-reduce, phase by phase.
 
-    ring_scatter_reduce(tensor) -> int   rank r sends chunk (r - s) mod G to r + 1 in step s = 0..G-2,
+    ring_scatter_reduce(tensor) -> int   rank r sends chunk (r - k) mod G to r + 1 in step k = 0..G-2,
                                          adds what it receives from r - 1; returns (r + 1) mod G,
                                          the chunk it then holds complete
     ring_all_gather(tensor)              starts from what a real scatter-reduce leaves; rank r sends
-                                         chunk (r + 1 - s) mod G to r + 1 in step s, the receiver
+                                         chunk (r + 1 - k) mod G to r + 1 in step k, the receiver
                                          overwrites its copy; afterwards every chunk is complete
     ring(tensor)                         ring_scatter_reduce, then ring_all_gather
 
 Chunks are ``torch.tensor_split(tensor, G)``. The check reads the schedule from the messages the
-ranks really sent: the s-th message a rank sends is its step s, and with tagged data the values of
+ranks really sent: the k-th message a rank sends is its step k, and with tagged data the values of
 a message say which chunk it is and which ranks' contributions it holds (`data.decode`), whatever
 the learner's labels say. A result may only hold contributions that its input or a received message
 held (`data.unexplained_contributors`).
@@ -39,7 +39,7 @@ def gpu(rank: int) -> str:
 
 
 def expected_chunk(phase: str, rank: int, step: int, world_size: int) -> int:
-    """The chunk rank `rank` sends in step `step`: (r - s) mod G, or (r + 1 - s) mod G in the all-gather."""
+    """The chunk rank `rank` sends in step `step` (k): (r - k) mod G, or (r + 1 - k) mod G in the all-gather."""
     return (rank - step) % world_size if phase == SCATTER_REDUCE else (rank + 1 - step) % world_size
 
 
@@ -53,8 +53,8 @@ def expected_holds(phase: str, rank: int, step: int, world_size: int) -> frozens
 def _formula(phase, rank, step, world_size) -> str:
     c = expected_chunk(phase, rank, step, world_size)
     if phase == SCATTER_REDUCE:
-        return f"c = r - s mod G = {rank} - {step} mod {world_size} = {c}"
-    return f"c = r + 1 - s mod G = {rank} + 1 - {step} mod {world_size} = {c}"
+        return f"j = r - k mod G = {rank} - {step} mod {world_size} = {c}"
+    return f"j = r + 1 - k mod G = {rank} + 1 - {step} mod {world_size} = {c}"
 
 
 def _sizes_text(numel, world_size) -> str:
@@ -66,7 +66,7 @@ def _sizes_text(numel, world_size) -> str:
 def simulate_scatter_reduce(inputs) -> list:
     """What the ring's scatter-reduce (sum) leaves on every rank, computed in this process from `inputs`.
 
-    Step s: rank r sends chunk (r - s) mod G to r + 1, which adds it into its own copy of that chunk; the
+    Step k: rank r sends chunk (r - k) mod G to r + 1, which adds it into its own copy of that chunk; the
     additions happen in the ring's order, so the result is bit for bit what the ranks' ring leaves.
     """
     G = len(inputs)
@@ -84,7 +84,7 @@ def phase_problems(case, sends_by_rank, phase: str, complete: bool, phase_index:
     """Everything wrong with one phase of the ring, read from the messages each rank sent in it.
 
     Args:
-        sends_by_rank: sends_by_rank[r] = rank r's sends in this phase, in order (step s = the s-th).
+        sends_by_rank: sends_by_rank[r] = rank r's sends in this phase, in order (step k = the k-th).
         complete: False when the case hung: then a rank that sent fewer messages is not a problem by itself.
         phase_index, prefix: order and wording when a check covers both phases ('scatter-reduce ').
         chunk_line, message_line: the rubric lines a wrong chunk, and a wrong neighbour or count, cost.
@@ -426,10 +426,10 @@ SINGLE = RubricLine("single", "with one GPU (G = 1) it sends nothing and leaves 
 register(RingScatterReduce(
     name="ring_scatter_reduce", notebook="04_ring_scatter_reduce", points=10,
     signature="ring_scatter_reduce(tensor) -> int",
-    summary="phase 1 of the ring: in step s rank r sends chunk (r - s) mod G to r + 1 and adds what it receives; "
+    summary="phase 1 of the ring: in step k rank r sends chunk (r - k) mod G to r + 1 and adds what it receives; "
             "returns the chunk it then holds complete, (r + 1) mod G",
     rubric=(MESSAGES,
-            RubricLine("chunks", "step s: GPU-r sends chunk (r - s) mod G holding the sum of GPUs r-s..r (read from "
+            RubricLine("chunks", "step k: GPU-r sends chunk (r - k) mod G holding the sum of GPUs r-k..r (read from "
                                  "the tagged values, not from labels)", 2),
             RubricLine("values", "the chunk each GPU completes, (r + 1) mod G, equals the sum over every GPU", 2),
             RubricLine("returned", "returns the index of that chunk, (r + 1) mod G", 2),
@@ -439,10 +439,10 @@ register(RingScatterReduce(
 register(RingAllGather(
     name="ring_all_gather", notebook="05_ring_all_gather", points=10,
     signature="ring_all_gather(tensor) -> None",
-    summary="phase 2 of the ring: in step s rank r sends chunk (r + 1 - s) mod G to r + 1, the receiver overwrites "
+    summary="phase 2 of the ring: in step k rank r sends chunk (r + 1 - k) mod G to r + 1, the receiver overwrites "
             "its copy; starts from what a real scatter-reduce leaves",
     rubric=(MESSAGES,
-            RubricLine("chunks", "step s: GPU-r sends chunk (r + 1 - s) mod G, complete (the input is what a real "
+            RubricLine("chunks", "step k: GPU-r sends chunk (r + 1 - k) mod G, complete (the input is what a real "
                                  "scatter-reduce leaves: partial sums in all chunks but one)", 3),
             RubricLine("values", "afterwards every chunk on every GPU equals the sum over every GPU: a received chunk "
                                  "replaces the partial sum", 3),
@@ -455,10 +455,10 @@ register(Ring(
     summary="the ring all-reduce: your ring_scatter_reduce, then your ring_all_gather",
     rubric=(RubricLine("messages", "every GPU sends 2(G - 1) messages, each to its right neighbour, "
                                    "2N - |chunk r+1| - |chunk r+2| (about 2(G-1)N/G) elements in all", 1),
-            RubricLine("scatter_reduce", "its first G - 1 sends are the scatter-reduce: step s sends chunk (r - s) mod G "
-                                         "with the partial sum of GPUs r-s..r", 1.25),
-            RubricLine("all_gather", "its last G - 1 sends are the all-gather: step s sends the complete chunk "
-                                     "(r + 1 - s) mod G", 1.25),
+            RubricLine("scatter_reduce", "its first G - 1 sends are the scatter-reduce: step k sends chunk (r - k) mod G "
+                                         "with the partial sum of GPUs r-k..r", 1.25),
+            RubricLine("all_gather", "its last G - 1 sends are the all-gather: step k sends the complete chunk "
+                                     "(r + 1 - k) mod G", 1.25),
             RubricLine("values", "every GPU ends with the sum over every GPU; with random data every GPU holds the same "
                                  "bits", 0.5),
             RubricLine("uneven", UNEVEN.text, 0.5, family=UNEVEN_LENGTHS),

@@ -9,10 +9,10 @@ per gradient; the server applies each gradient the moment it arrives (ties: lowe
 its new version. Staleness of an applied gradient = the server's version when it is applied - the version it was
 computed on.
 
-The stability limit (notebook 08, `training.parameter_server.stale_step_limit`): on a quadratic of curvature L,
+The stability limit (notebook 08, `training.parameter_server.stale_step_limit`): on a quadratic of curvature λ (notebook 08 writes it so),
 gradient descent with gradients s updates old converges while
 
-    lr < 2 sin(pi / (2 (2 s + 1))) / L         (s = 0: 2 / L)
+    lr < 2 sin(pi / (2 (2 s + 1))) / λ         (s = 0: 2 / λ)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["recorded_run", "Update", "COMPUTE", "UPDATES", "CURVATURE", "STALENE
 
 COMPUTE = {1: 3, 2: 1, 3: 1}     # time units per gradient: rank 1 is the straggler
 UPDATES = 12
-CURVATURE, STALENESS = 2.5, 3     # the question's L and s
+CURVATURE, STALENESS = 2.5, 3     # the question's λ and s
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _straggler_mean(offset: int = 0, worker: int | None = 1) -> Fraction:
 
 
 def step_limit(curvature: float, staleness: int) -> float:
-    """2 sin(pi / (2 (2 s + 1))) / L."""
+    """2 sin(pi / (2 (2 s + 1))) / λ."""
     return 2 * math.sin(math.pi / (2 * (2 * staleness + 1))) / curvature
 
 
@@ -116,15 +116,15 @@ register(Question(
 
 register(ToleratedQuestion(
     name="stable_step_size", notebook="08_sync_vs_async", points=1, signature="a number",
-    summary=f"the largest stable step size when the sharpest curvature is L = {CURVATURE} and every gradient is "
+    summary=f"the largest stable step size when the sharpest curvature is λ = {CURVATURE} and every gradient is "
             f"s = {STALENESS} updates old",
     answer_kind="number", truth=lambda: step_limit(CURVATURE, STALENESS),
-    quantity=f"lr < 2 sin(pi / (2 (2s + 1))) / L with L = {CURVATURE}, s = {STALENESS} (within 0.1%)",
-    rubric=(RubricLine("curvature", "the limit scales as 1 / L: divided by the curvature", 0.5),
+    quantity=f"lr < 2 sin(pi / (2 (2s + 1))) / λ with λ = {CURVATURE}, s = {STALENESS} (within 0.1%)",
+    rubric=(RubricLine("curvature", "the limit scales as 1 / λ: divided by the curvature", 0.5),
             RubricLine("staleness", "the staleness lowers it: 2 sin(pi / (2 (2s + 1))) in place of 2", 0.5)),
     slips=(Slip(lambda: 2 / CURVATURE, "That is the limit for fresh gradients (s = 0); stale ones lower it to "
-                "2 sin(pi / (2 (2s + 1))) / L.", ("curvature",)),
-           Slip(lambda: 2 * math.sin(math.pi / (2 * (2 * STALENESS + 1))), "That is eta L: divide by the curvature L.",
+                "2 sin(pi / (2 (2s + 1))) / λ.", ("curvature",)),
+           Slip(lambda: 2 * math.sin(math.pi / (2 * (2 * STALENESS + 1))), "That is η λ: divide by the curvature λ.",
                 ("staleness",)),
            Slip(lambda: step_limit(CURVATURE, 1), "That is the limit for s = 1; the question's gradients are "
                 f"{STALENESS} updates old.", ("curvature",)))))
