@@ -210,3 +210,41 @@ def execute_notebook(client):
     if failure:
         raise failure[0]
     return client.nb
+
+
+# -- how pytest-xdist shares the work between its two workers ------------------------------------------------------
+# `--dist loadscope` keeps a notebook's cells (nbval: one kernel) and a test class or module (a module fixture such
+# as the grading battery) on one worker. The notebooks at other world sizes (test_notebook_world_sizes.py) each
+# start a kernel of their own, so they need no company: each is a work unit by itself, and they go out first, most
+# ranks and the later (longer) notebooks first, so the longest units start early and the many short ones fill both
+# workers at the end. Grouped by class, the 14 notebooks at 8 ranks were one unit of several minutes, which a
+# worker could start when the other had little left.
+WORLD_SIZE_TESTS = "tests/test_notebook_world_sizes.py::TestWorldSize"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", None) != "loadscope":
+        return None                                         # xdist's own scheduler for any other --dist
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldSizesFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return nodeid if nodeid.startswith(WORLD_SIZE_TESTS) else super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_ordered", False):
+                self._ordered = True
+                units = list(self.workqueue.items())
+                self.workqueue.clear()
+
+                def longest_first(unit):                     # TestWorldSize8::test_notebook_runs[12_...] -> (-8, -12)
+                    size, _, rest = unit[0][len(WORLD_SIZE_TESTS):].partition("::")
+                    notebook = rest.partition("[")[2][:2]
+                    return -int(size), -int(notebook) if notebook.isdigit() else 0
+
+                first = sorted((u for u in units if u[0].startswith(WORLD_SIZE_TESTS)), key=longest_first)
+                for scope, nodeids in first + [u for u in units if not u[0].startswith(WORLD_SIZE_TESTS)]:
+                    self.workqueue[scope] = nodeids
+            return super()._assign_work_unit(node)
+
+    return WorldSizesFirst(config, log)
