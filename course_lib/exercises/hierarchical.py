@@ -276,8 +276,8 @@ def plan(world_size: int, node_size: int, numel: int, style=DEFAULT_STYLE) -> di
                 out[r].append(Expected(
                     "reduce-scatter inside", s, peer, shard_starts[c], shard_starts[c] + shard_sizes[c], holds,
                     f"shard {c} of {k}",
-                    f"inside a node of k = {k} the ring sends {inside.words()}, local rank {inside.next(i, k)} = rank "
-                    f"{peer}, and in step {s} local rank {i} sends shard {c} of its k = {k} shards "
+                    f"inside a node of K = {k} the ring sends {inside.words()}, local rank {inside.next(i, k)} = rank "
+                    f"{peer}, and in step {s} local rank {i} sends shard {c} of its K = {k} shards "
                     f"(torch.tensor_split(tensor, {k})), holding the sum of ranks {_ranks(holds)}."))
     for m in range(M):
         for i in range(k):
