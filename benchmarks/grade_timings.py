@@ -3,7 +3,7 @@
     python benchmarks/grade_timings.py submission --reps 9 --quiet-load 1.5     # one student, 9 repetitions
     python benchmarks/grade_timings.py class --reps 3 --quiet-load 1.5          # 20 students, 3 repetitions
     python benchmarks/grade_timings.py submission --all --reps 9 --out benchmarks/results/grade_timings_all
-                                     # every graded notebook, 00 to 11, instead of the 8 of 00-07
+                                     # every graded notebook (00-11 and 13), instead of the 8 of 00-07
 
 **submission**: the 8 notebooks of one submission (00 to 07) graded by one command, as Gradescope's
 run_autograder grades them: `python -m course_lib.grade 00_....ipynb ... 07_....ipynb --json results.json`,
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="class: notebooks at once (the grader's default)")
     parser.add_argument("--note", default="", help="a line on the conditions, written with the results")
     parser.add_argument("--out", default=None, help="path without suffix")
-    parser.add_argument("--all", action="store_true", help="every graded notebook (00 to 11), not only 00-07")
+    parser.add_argument("--all", action="store_true", help="every graded notebook (each with a student copy: 00-11 and 13), not only 00-07")
     args = parser.parse_args(argv)
     global PATTERN
     if args.all:

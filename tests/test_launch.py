@@ -686,7 +686,11 @@ class TestWhatColabBrings:
         assert notices == ["course_lib: launch starts the ranks with spawn, not fork: autograd's GPU threads "
                            "(pt_autograd_0) run in this process since a backward() here, and a forked rank's "
                            "backward() would fail."]
-        # the thread is gone: fork again, silently
+        # the thread is gone: fork again, silently. join() returns when Python is done with the thread; the kernel's
+        # task may linger a moment after (a CI run under load saw it), so wait for /proc to say so.
+        deadline = time.monotonic() + 10
+        while fresh_notices._autograd_device_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert fresh_notices._autograd_device_threads() == []
         assert course_lib.launch(_started_with_spawn, world_size=2) == [False, False]
 
