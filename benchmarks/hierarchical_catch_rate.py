@@ -24,11 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import planted_bugs_hierarchical as catalogue  # noqa: E402
 
 from course_lib import exercises  # noqa: E402
-
-
-def _first_problem(result) -> str:
-    first = next((c for c in result.cases if not c.passed), None)
-    return first.problems[0].message if first is not None else "\n".join(result.feedback)
+from exercise_catch_rate import _first_problem  # noqa: E402  (the other catalogues' script, beside this one)
 
 
 def main(argv=None) -> int:
