@@ -166,8 +166,9 @@ def resolve_backend(backend: str, world_size: int, gpus_per_node: int | None = N
         if gpus > 0:  # a Colab GPU with 4 ranks: say why the GPU sits idle
             _notice_once(
                 "gloo-fallback",
-                f"backend 'auto' runs the {need} ranks on the CPU with gloo: {gpus} GPU(s) visible, and NCCL "
-                "needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').",
+                f"backend 'auto' runs the {need} ranks on the CPU with gloo, and hides the GPU from them: {gpus} "
+                "GPU(s) visible, and NCCL needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU "
+                "detected').",
             )
         return "gloo"
     if backend == "nccl":
@@ -344,8 +345,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, network=None):
+def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, network=None, hide_gpus=False):
     """Entry point of every launched rank (runs in the child process)."""
+    if hide_gpus:  # before anything here starts CUDA, which reads this variable once (see launch's `backend`)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     files = _RankFiles(workdir, rank)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C / kernel interrupt
@@ -469,7 +472,11 @@ def launch(
         world_size: number of ranks (processes) to start.
         args, kwargs: extra arguments passed to `fn` on every rank.
         backend: "gloo" (CPU), "nccl" (one GPU per rank) or "auto": NCCL when there are at least
-            `world_size` GPUs, else gloo.
+            `world_size` GPUs, else gloo. When "auto" picks gloo on a machine with GPUs (4 ranks on
+            Colab's one GPU), the ranks see no GPU (CUDA_VISIBLE_DEVICES is empty in them): their
+            tensors live on the CPU, and torch code that asks ``torch.cuda.is_available()`` takes its
+            CPU path (PyTorch's PowerSGD hook would otherwise call ``torch.cuda.synchronize`` on a CPU
+            tensor's device and fail). Say backend="gloo" to keep the GPUs visible to gloo ranks.
         timeout: seconds before the launch is declared stuck; then `LaunchTimeoutError` lists what
             every rank was blocked in. A spawned rank's start (a new interpreter importing torch) is
             not counted, up to _SPAWN_STARTUP_LIMIT seconds.
@@ -513,7 +520,9 @@ def launch(
         return run_torchrun(fn, args=args, kwargs=kwargs, backend=backend, timeout=timeout)
 
     network = None if network is None else _network.Network.parse(network)
+    asked = backend
     backend = _modeled_backend(backend) if network is not None else resolve_backend(backend, world_size)
+    hide_gpus = asked == "auto" and backend == "gloo" and _visible_gpu_count() > 0
     if network is not None and network.world_size is not None and world_size > network.world_size:
         raise ValueError(f"world_size={world_size} does not fit the modeled cluster of {network.world_size} ranks "
                          f"({network.describe()}): use at most {network.world_size} ranks or a larger cluster")
@@ -538,7 +547,7 @@ def launch(
             for rank in range(world_size):
                 process = context.Process(
                     target=_rank_main,
-                    args=(rank, world_size, workdir, payload, backend, float(timeout), threads, network),
+                    args=(rank, world_size, workdir, payload, backend, float(timeout), threads, network, hide_gpus),
                     name=f"course_lib-rank-{rank}",
                 )
                 process.start()

@@ -702,12 +702,28 @@ class TestWhatColabBrings:
         assert course_lib.resolve_backend("auto", 4) == "gloo"
         assert course_lib.resolve_backend("auto", 4) == "gloo"
         assert capsys.readouterr().err == (
-            "course_lib: backend 'auto' runs the 4 ranks on the CPU with gloo: 1 GPU(s) visible, and NCCL needs one "
-            "GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').\n")
+            "course_lib: backend 'auto' runs the 4 ranks on the CPU with gloo, and hides the GPU from them: 1 GPU(s) "
+            "visible, and NCCL needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').\n")
         monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 0)  # no GPU at all: nothing to explain
         monkeypatch.setattr(fresh_notices, "_NOTICES_GIVEN", set())
         assert course_lib.resolve_backend("auto", 4) == "gloo"
         assert capsys.readouterr().err == ""
+
+    @pytest.mark.parametrize("start_method", ["fork", "spawn"])
+    def test_auto_on_gloo_hides_the_gpus_from_the_ranks_and_gloo_keeps_them(self, fresh_notices, monkeypatch,
+                                                                         start_method):
+        """On a GPU runtime with fewer GPUs than ranks, "auto" ranks see no GPU: PyTorch's PowerSGD hook, for one,
+        calls torch.cuda.synchronize on its CPU bucket's device when torch.cuda.is_available() (found on an H100
+        with torch 2.11: "Expected a cuda device, but got: cpu"). An explicit "gloo" leaves them visible
+        (notebook 09 runs nn.DataParallel inside a gloo rank)."""
+        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 1)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        seen = lambda rank, world_size: os.environ.get("CUDA_VISIBLE_DEVICES")  # noqa: E731
+        auto = course_lib.launch(seen, world_size=2, backend="auto", start_method=start_method)
+        gloo = course_lib.launch(seen, world_size=2, backend="gloo", start_method=start_method)
+        assert auto == ["", ""] and gloo == [None, None]
+        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 0)  # no GPU: nothing to hide
+        assert course_lib.launch(seen, world_size=2, backend="auto", start_method=start_method) == [None, None]
 
     @pytest.mark.parametrize("start_method", ["fork", "spawn"])
     @pytest.mark.parametrize("how", ["restart", "oom-kill"])

@@ -12,7 +12,8 @@ What it checks, whatever the number of GPUs:
   * autograd run in the caller before the launch: on a CUDA build with a GPU that starts autograd's
     device threads, after which a forked rank's backward() fails ("Unable to handle autograd's threading
     in combination with fork-based multiprocessing"): launch must not fork then;
-  * nn.DataParallel as notebook 09 uses it, where there are GPUs.
+  * nn.DataParallel as notebook 09 uses it, where there are GPUs;
+  * PyTorch's PowerSGD hook in gloo ranks that "auto" chose (notebook 12): they must see no GPU.
 """
 
 from __future__ import annotations
@@ -135,6 +136,27 @@ def main():
         expected = scale * sum(range(4))
         assert all(torch.equal(t, torch.full((5,), expected)) and b == "gloo" for t, b in out), out
         return "results equal, backend gloo"
+
+    @check("PyTorch's PowerSGD hook in 4 'auto' ranks (gloo, GPU hidden from them), as notebook 12 runs it")
+    def _():
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        def powersgd_steps(rank, world_size):
+            # On a CUDA build with a GPU the hook calls torch.cuda.synchronize(bucket's device): on a CPU
+            # bucket that fails ("Expected a cuda device, but got: cpu") unless the rank sees no GPU.
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)))
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            for _ in range(4):
+                model(torch.randn(8, 32)).sum().backward()
+            return torch.cuda.is_available(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+        out = course_lib.launch(powersgd_steps, world_size=4, backend="auto", timeout=120)
+        if gpus and gpus < 4:
+            assert all(seen == (False, "") for seen in out), out
+        return f"4 steps on every rank; (cuda available, CUDA_VISIBLE_DEVICES) in the ranks: {out[0]}"
 
     failed = [name for name, ok, _ in RESULTS if not ok]
     print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed")
