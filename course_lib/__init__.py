@@ -9,6 +9,7 @@
     progress(iterable)          a live progress line for a long loop in a notebook (or in a rank)
     Network(bandwidth, latency) a modeled network under every message: launch(fn, G, network=...)
     clock(), compute(seconds)   a rank's clock (modeled time under a modeled network) and modeled compute
+    check_torch()               one line if this PyTorch is older than the notebooks need (every setup cell)
 """
 
 from course_lib import allreduce, collectives, network, ops, p2p, traffic
@@ -16,6 +17,7 @@ from course_lib._checks import MismatchError, unchecked
 from course_lib.live import progress
 from course_lib.modeled_clock import clock, compute
 from course_lib.network import Cluster, Network
+from course_lib.versions import check_torch
 from course_lib.launch import (
     LaunchError,
     LaunchTimeoutError,
@@ -33,5 +35,5 @@ __all__ = [
     "launch", "device", "run_torchrun", "under_torchrun", "resolve_backend",
     "LaunchError", "RankFailedError", "LaunchTimeoutError", "MismatchError", "unchecked",
     "p2p", "traffic", "collectives", "allreduce", "ops", "progress", "Network", "Cluster", "network", "clock",
-    "compute",
+    "compute", "check_torch",
 ]

@@ -236,12 +236,13 @@ def _run_setup_cell(cwd, env=None):
 
 def test_the_setup_cell_imports_the_clone_it_sits_in_at_any_depth(tmp_path):
     (tmp_path / "course_lib").mkdir()
-    (tmp_path / "course_lib" / "__init__.py").write_text("")
+    (tmp_path / "course_lib" / "__init__.py").write_text("def check_torch():\n    print('CHECKED')\n")
     folder = tmp_path / "assignments" / "week1"
     folder.mkdir(parents=True)
     out, err, code = _run_setup_cell(folder)
     assert code == 0, err
     assert "MAGIC" not in out and f"IMPORTED {tmp_path / 'course_lib' / '__init__.py'}" in out
+    assert "CHECKED" in out  # the setup cell asks the imported course_lib whether this PyTorch is new enough
 
 
 def test_the_setup_cell_installs_from_the_address_outside_a_clone(tmp_path):

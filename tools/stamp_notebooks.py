@@ -140,7 +140,8 @@ def setup_cell_source(project: Project) -> str:
         "        sys.path.insert(0, str(clones[0]))\n"
         "    else:\n"
         f'        %pip install -q "course_lib @ {{{SOURCE_VARIABLE}}}"\n'
-        "import course_lib  # if this fails, pip's message just above says why"
+        "import course_lib  # if this fails, pip's message just above says why\n"
+        "course_lib.check_torch()  # one line if this runtime's PyTorch is older than the notebooks need"
     )
 
 
