@@ -74,13 +74,17 @@ def main(argv=None) -> int:
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
     load_after = os.getloadavg()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    after = f"the working tree at {head}" + (" with uncommitted changes" if dirty else "")
     out = pathlib.Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"before": args.before, "times": times, "failures": failures,
-                                                    "reps": args.reps, "load_before": load_before,
+                                                    "after": after, "reps": args.reps, "load_before": load_before,
                                                     "load_after": load_after}, indent=1))
     lines = [f"# Notebooks under strict nbval (one notebook per pytest run), {args.reps} repetitions, interleaved", "",
-             f"Seconds on this machine's clock, median (min..max). Before: commit {args.before or '-'}; after: the "
-             f"working tree. Load average before {load_before[0]:.1f}, after {load_after[0]:.1f}.", "",
+             f"Seconds on this machine's clock, median (min..max). Before: commit {args.before or '-'}; after: "
+             f"{after}. Load average before {load_before[0]:.1f}, after {load_after[0]:.1f}.", "",
              "| notebook | " + " | ".join(trees) + " |", "| --- |" + " --- |" * len(trees)]
     for prefix in prefixes:
         cells = []
