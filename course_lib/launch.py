@@ -166,9 +166,8 @@ def resolve_backend(backend: str, world_size: int, gpus_per_node: int | None = N
         if gpus > 0:  # a Colab GPU with 4 ranks: say why the GPU sits idle
             _notice_once(
                 "gloo-fallback",
-                f"backend 'auto' runs the {need} ranks on the CPU with gloo, and hides the GPU from them: {gpus} "
-                "GPU(s) visible, and NCCL needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU "
-                "detected').",
+                f"backend 'auto' runs the {need} ranks on the CPU with gloo: {gpus} GPU(s) visible, and NCCL "
+                "needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').",
             )
         return "gloo"
     if backend == "nccl":
@@ -345,10 +344,23 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _hide_gpus() -> None:
+    """Make this rank see no GPU (launch's `backend`: the ranks "auto" puts on gloo).
+
+    CUDA reads CUDA_VISIBLE_DEVICES once, when it starts; setting it here is early enough for a spawned
+    rank and for a forked one whose parent never started CUDA. But a parent that only asked
+    ``torch.cuda.is_available()`` (a common first cell) has its device count cached inside torch, and a
+    forked rank inherits that cache: with PYTORCH_NVML_BASED_CUDA_CHECK=1, ``is_available()`` counts the
+    devices again through NVML, which reads CUDA_VISIBLE_DEVICES every time, and finds none.
+    """
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+
+
 def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, network=None, hide_gpus=False):
     """Entry point of every launched rank (runs in the child process)."""
-    if hide_gpus:  # before anything here starts CUDA, which reads this variable once (see launch's `backend`)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if hide_gpus:
+        _hide_gpus()
     files = _RankFiles(workdir, rank)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C / kernel interrupt
@@ -472,11 +484,11 @@ def launch(
         world_size: number of ranks (processes) to start.
         args, kwargs: extra arguments passed to `fn` on every rank.
         backend: "gloo" (CPU), "nccl" (one GPU per rank) or "auto": NCCL when there are at least
-            `world_size` GPUs, else gloo. When "auto" picks gloo on a machine with GPUs (4 ranks on
-            Colab's one GPU), the ranks see no GPU (CUDA_VISIBLE_DEVICES is empty in them): their
-            tensors live on the CPU, and torch code that asks ``torch.cuda.is_available()`` takes its
-            CPU path (PyTorch's PowerSGD hook would otherwise call ``torch.cuda.synchronize`` on a CPU
-            tensor's device and fail). Say backend="gloo" to keep the GPUs visible to gloo ranks.
+            `world_size` GPUs, else gloo. Ranks that "auto" puts on gloo (4 ranks on Colab's one GPU, or
+            any modeled network) see no GPU: their tensors live on the CPU, and torch code that asks
+            ``torch.cuda.is_available()`` takes its CPU path (PyTorch's PowerSGD hook would otherwise call
+            ``torch.cuda.synchronize`` on a CPU tensor's device and fail). Say backend="gloo" to keep the
+            GPUs visible to gloo ranks.
         timeout: seconds before the launch is declared stuck; then `LaunchTimeoutError` lists what
             every rank was blocked in. A spawned rank's start (a new interpreter importing torch) is
             not counted, up to _SPAWN_STARTUP_LIMIT seconds.
@@ -522,7 +534,7 @@ def launch(
     network = None if network is None else _network.Network.parse(network)
     asked = backend
     backend = _modeled_backend(backend) if network is not None else resolve_backend(backend, world_size)
-    hide_gpus = asked == "auto" and backend == "gloo" and _visible_gpu_count() > 0
+    hide_gpus = asked == "auto" and backend == "gloo"  # see `backend` above; harmless where there is no GPU
     if network is not None and network.world_size is not None and world_size > network.world_size:
         raise ValueError(f"world_size={world_size} does not fit the modeled cluster of {network.world_size} ranks "
                          f"({network.describe()}): use at most {network.world_size} ranks or a larger cluster")

@@ -702,8 +702,8 @@ class TestWhatColabBrings:
         assert course_lib.resolve_backend("auto", 4) == "gloo"
         assert course_lib.resolve_backend("auto", 4) == "gloo"
         assert capsys.readouterr().err == (
-            "course_lib: backend 'auto' runs the 4 ranks on the CPU with gloo, and hides the GPU from them: 1 GPU(s) "
-            "visible, and NCCL needs one GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').\n")
+            "course_lib: backend 'auto' runs the 4 ranks on the CPU with gloo: 1 GPU(s) visible, and NCCL needs one "
+            "GPU per rank (two ranks on one GPU fail with 'Duplicate GPU detected').\n")
         monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 0)  # no GPU at all: nothing to explain
         monkeypatch.setattr(fresh_notices, "_NOTICES_GIVEN", set())
         assert course_lib.resolve_backend("auto", 4) == "gloo"
@@ -712,18 +712,21 @@ class TestWhatColabBrings:
     @pytest.mark.parametrize("start_method", ["fork", "spawn"])
     def test_auto_on_gloo_hides_the_gpus_from_the_ranks_and_gloo_keeps_them(self, fresh_notices, monkeypatch,
                                                                          start_method):
-        """On a GPU runtime with fewer GPUs than ranks, "auto" ranks see no GPU: PyTorch's PowerSGD hook, for one,
-        calls torch.cuda.synchronize on its CPU bucket's device when torch.cuda.is_available() (found on an H100
-        with torch 2.11: "Expected a cuda device, but got: cpu"). An explicit "gloo" leaves them visible
-        (notebook 09 runs nn.DataParallel inside a gloo rank)."""
-        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 1)
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-        seen = lambda rank, world_size: os.environ.get("CUDA_VISIBLE_DEVICES")  # noqa: E731
+        """Ranks that "auto" puts on gloo see no GPU: PyTorch's PowerSGD hook, for one, calls torch.cuda.synchronize
+        on its CPU bucket's device when torch.cuda.is_available() (found on an H100 with torch 2.11: "Expected a
+        cuda device, but got: cpu"). NVML's count is what is_available() then asks, as a fork inherits the CUDA
+        runtime's cached count. An explicit "gloo" leaves them visible (notebook 09 runs nn.DataParallel in a gloo
+        rank). tools/gpu_check.py checks the effect on a GPU."""
+        for name in ("CUDA_VISIBLE_DEVICES", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 1)  # fewer GPUs than ranks, as on Colab
+        seen = lambda rank, world_size: (os.environ.get("CUDA_VISIBLE_DEVICES"),  # noqa: E731
+                                         os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), torch.cuda.is_available())
         auto = course_lib.launch(seen, world_size=2, backend="auto", start_method=start_method)
+        modeled = course_lib.launch(seen, world_size=2, start_method=start_method, network="10GbE")
         gloo = course_lib.launch(seen, world_size=2, backend="gloo", start_method=start_method)
-        assert auto == ["", ""] and gloo == [None, None]
-        monkeypatch.setattr(fresh_notices, "_visible_gpu_count", lambda: 0)  # no GPU: nothing to hide
-        assert course_lib.launch(seen, world_size=2, backend="auto", start_method=start_method) == [None, None]
+        assert auto == modeled == [("", "1", False)] * 2
+        assert gloo == [(None, None, torch.cuda.is_available())] * 2
 
     @pytest.mark.parametrize("start_method", ["fork", "spawn"])
     @pytest.mark.parametrize("how", ["restart", "oom-kill"])

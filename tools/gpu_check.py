@@ -13,12 +13,14 @@ What it checks, whatever the number of GPUs:
     device threads, after which a forked rank's backward() fails ("Unable to handle autograd's threading
     in combination with fork-based multiprocessing"): launch must not fork then;
   * nn.DataParallel as notebook 09 uses it, where there are GPUs;
-  * PyTorch's PowerSGD hook in gloo ranks that "auto" chose (notebook 12): they must see no GPU.
+  * PyTorch's PowerSGD hook in gloo ranks that "auto" chose (notebook 12), forked and spawned from a process
+    that asked torch.cuda.is_available() first: the ranks must see no GPU.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -31,6 +33,32 @@ import course_lib  # noqa: E402
 from course_lib import allreduce, collectives  # noqa: E402
 
 RESULTS = []
+
+POWERSGD_IN_AUTO_RANKS = """
+import os, sys
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+import course_lib
+
+def powersgd_steps(rank, world_size):
+    # On a CUDA build with a GPU the hook calls torch.cuda.synchronize(bucket's device) when is_available():
+    # on a CPU bucket that fails ("Expected a cuda device, but got: cpu") unless the rank sees no GPU.
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)))
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    for _ in range(4):
+        model(torch.randn(8, 32)).sum().backward()
+    return torch.cuda.is_available(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+parent_sees = torch.cuda.is_available()
+ranks = torch.cuda.device_count() + 1          # more ranks than GPUs: 'auto' picks gloo
+out = course_lib.launch(powersgd_steps, world_size=ranks, backend="auto", start_method=sys.argv[1], timeout=120)
+assert all(seen == (False, "") for seen in out), out
+print(f"parent: is_available() {parent_sees}; {ranks} ranks trained 4 steps, each saw (is_available, "
+      f"CUDA_VISIBLE_DEVICES) = {out[0]}")
+"""
 
 
 def check(name):
@@ -137,26 +165,16 @@ def main():
         assert all(torch.equal(t, torch.full((5,), expected)) and b == "gloo" for t, b in out), out
         return "results equal, backend gloo"
 
-    @check("PyTorch's PowerSGD hook in 4 'auto' ranks (gloo, GPU hidden from them), as notebook 12 runs it")
-    def _():
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-        from torch.nn.parallel import DistributedDataParallel
-
-        def powersgd_steps(rank, world_size):
-            # On a CUDA build with a GPU the hook calls torch.cuda.synchronize(bucket's device): on a CPU
-            # bucket that fails ("Expected a cuda device, but got: cpu") unless the rank sees no GPU.
-            torch.manual_seed(0)
-            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)))
-            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-            for _ in range(4):
-                model(torch.randn(8, 32)).sum().backward()
-            return torch.cuda.is_available(), os.environ.get("CUDA_VISIBLE_DEVICES")
-
-        out = course_lib.launch(powersgd_steps, world_size=4, backend="auto", timeout=120)
-        if gpus and gpus < 4:
-            assert all(seen == (False, "") for seen in out), out
-        return f"4 steps on every rank; (cuda available, CUDA_VISIBLE_DEVICES) in the ranks: {out[0]}"
+    for method in ("fork", "spawn"):
+        @check(f"PyTorch's PowerSGD hook in 'auto' ranks on gloo ({method}, after is_available() in the parent), "
+               "as notebook 12 runs it")
+        def _():
+            # A fresh interpreter, as a notebook kernel is: it asks is_available() first (a common first cell, which
+            # caches the device count that a forked rank inherits), then launches more ranks than there are GPUs.
+            run = subprocess.run([sys.executable, "-c", POWERSGD_IN_AUTO_RANKS, method], capture_output=True,
+                                 text=True, timeout=180, cwd=os.path.dirname(os.path.abspath(__file__)) + "/..")
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+            return run.stdout.strip().splitlines()[-1]
 
     failed = [name for name, ok, _ in RESULTS if not ok]
     print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed")
