@@ -41,6 +41,15 @@ def _time(folder: pathlib.Path, notebook: pathlib.Path) -> tuple:
     return time.perf_counter() - started, run.returncode == 0, run.stdout[-2000:]
 
 
+def _tree_state() -> str:
+    """'the working tree at <commit>', and whether it had uncommitted changes to tracked files."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"the working tree at {git('rev-parse', '--short', 'HEAD')}" + (" with uncommitted changes" if dirty else "")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default=None, help="a commit to compare with (default: none)")
@@ -59,6 +68,7 @@ def main(argv=None) -> int:
     times = {key: {p: [] for p in prefixes} for key in trees}
     failures = {key: {p: 0 for p in prefixes} for key in trees}
     load_before = os.getloadavg()
+    after = _tree_state()  # read first: a commit made during an hour-long run is not what was timed
     try:
         for rep in range(args.reps):
             for prefix in prefixes:
@@ -74,10 +84,8 @@ def main(argv=None) -> int:
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
     load_after = os.getloadavg()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    after = f"the working tree at {head}" + (" with uncommitted changes" if dirty else "")
+    if _tree_state() != after:
+        after += f" at the start ({_tree_state()} at the end: it changed during the run)"
     out = pathlib.Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"before": args.before, "times": times, "failures": failures,
                                                     "after": after, "reps": args.reps, "load_before": load_before,

@@ -2,15 +2,15 @@
 
 The library's own requirement stays loose (``torch>=2.2`` in pyproject.toml) so that installing course_lib
 never replaces the torch a Colab runtime or a cluster brings. The notebooks use two things that arrived
-in PyTorch 2.12, and were found missing by running every notebook on torch 2.11 (the CUDA build on an
-H100, and the same build here):
+in PyTorch 2.12, and were found missing by running every notebook on torch 2.11.0+cu130 (on an H100, and
+the same build here without a GPU):
 
 * gloo's list form of ``dist.all_to_all`` (notebook 02 compares the hand-written all-to-all with it;
   torch 2.11 raises "Backend gloo does not support alltoall");
 * ``torch.nn.parallel.distributed._BucketCapacityConfig`` (notebook 09 asks DDP's own bucket rule).
 
-Every notebook ran on torch 2.12.1 (nbval --nbval-lax, once, by hand) and runs on 2.13.0 in CI
-(requirements/base.txt); CI's Colab test runs 04 and 07 on 2.14.1 (tests/colab_image.txt).
+Every notebook runs on 2.13.0 in CI (requirements/base.txt, strict nbval) and ran on 2.12.1 and 2.14.1
+(nbval --nbval-lax, once each, by hand); 2.15.0's source keeps ``_BucketCapacityConfig`` as 09 calls it.
 """
 
 from __future__ import annotations
