@@ -84,8 +84,9 @@ def main(argv=None) -> int:
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
     load_after = os.getloadavg()
-    if _tree_state() != after:
-        after += f" at the start ({_tree_state()} at the end: it changed during the run)"
+    at_the_end = _tree_state()
+    if at_the_end != after:
+        after += f" at the start ({at_the_end} at the end: it changed during the run)"
     out = pathlib.Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"before": args.before, "times": times, "failures": failures,
                                                     "after": after, "reps": args.reps, "load_before": load_before,

@@ -532,9 +532,9 @@ def launch(
         return run_torchrun(fn, args=args, kwargs=kwargs, backend=backend, timeout=timeout)
 
     network = None if network is None else _network.Network.parse(network)
-    asked = backend
+    auto = backend == "auto"
     backend = _modeled_backend(backend) if network is not None else resolve_backend(backend, world_size)
-    hide_gpus = asked == "auto" and backend == "gloo"  # see `backend` above; harmless where there is no GPU
+    hide_gpus = auto and backend == "gloo"  # see `backend` above; harmless where there is no GPU
     if network is not None and network.world_size is not None and world_size > network.world_size:
         raise ValueError(f"world_size={world_size} does not fit the modeled cluster of {network.world_size} ranks "
                          f"({network.describe()}): use at most {network.world_size} ranks or a larger cluster")

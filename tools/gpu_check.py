@@ -28,7 +28,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
 import course_lib  # noqa: E402
 from course_lib import allreduce, collectives  # noqa: E402
 
@@ -172,7 +173,7 @@ def main():
             # A fresh interpreter, as a notebook kernel is: it asks is_available() first (a common first cell, which
             # caches the device count that a forked rank inherits), then launches more ranks than there are GPUs.
             run = subprocess.run([sys.executable, "-c", POWERSGD_IN_AUTO_RANKS, method], capture_output=True,
-                                 text=True, timeout=180, cwd=os.path.dirname(os.path.abspath(__file__)) + "/..")
+                                 text=True, timeout=180, cwd=REPO)
             assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
             return run.stdout.strip().splitlines()[-1]
 
