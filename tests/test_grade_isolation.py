@@ -746,3 +746,25 @@ def test_a_cgroup_left_by_a_killed_warden_is_removed_by_the_next_sandbox(tmp_pat
         for folder in (stale, live):
             if folder.exists():
                 folder.rmdir()
+
+
+def test_a_limit_the_warden_reports_late_still_names_the_limit():
+    """On a busy machine the warden can see the OOM killer's work a second or more after the kernel's end of the
+    channel closed (one CI run read "the kernel died in cell 1" for the memory hog): the judge waits for the
+    warden's verdict instead of half a second."""
+    read_from_kernel, write_from_kernel = os.pipe()
+    os.close(write_from_kernel)                                  # the kernel is gone: its end of the channel closed
+    warden = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); print('limit memory 1 GiB', "
+                               "flush=True); time.sleep(0.2); print('clean 0', flush=True)"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    box = sandbox.Sandbox(warden, -1, read_from_kernel, "/nonexistent", sandbox.Limits())
+    try:
+        with pytest.raises(sandbox.SandboxDied, match=r"memory limit \(1 GiB\)"):
+            box._receive(timeout=30)
+        assert box.limit_hit == "memory 1 GiB"
+    finally:
+        warden.kill()
+        warden.wait()
+        os.close(read_from_kernel)
+        for stream in (warden.stdin, warden.stdout, warden.stderr):
+            stream.close()

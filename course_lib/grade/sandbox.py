@@ -820,7 +820,7 @@ class Sandbox:
                 try:
                     return channel.receive(self._from, timeout=max(1.0, deadline - time.monotonic()))
                 except channel.ChannelClosed:
-                    self._pump(0.5)
+                    self._await_verdict()
                     raise SandboxDied(self.why_ended()) from None
                 except channel.ChannelTimeout:
                     raise SandboxTimeout(f"no complete answer within {timeout:g} s") from None
@@ -853,6 +853,15 @@ class Sandbox:
             self._pump(deadline - time.monotonic())
         return self.limit_hit
 
+    def _await_verdict(self, timeout: float = 10.0) -> None:
+        """The kernel's end of the channel closed: wait for the warden to say why (a limit, the kernel's wait
+        status, or its clean-up), so that a cell the OOM killer ended is reported as the memory limit even when a
+        busy machine lets the warden notice it a second or two after the judge did."""
+        deadline = time.monotonic() + timeout
+        while (not self.limit_hit and self.exit_status is None and not self._eof
+               and not any(line.startswith("clean") for line in self._lines) and time.monotonic() < deadline):
+            self._pump(deadline - time.monotonic())
+
     def why_ended(self) -> str:
         if self.limit_hit:
             return f"it reached the sandbox's {limit_words(self.limit_hit)} and was stopped"
@@ -875,7 +884,7 @@ class Sandbox:
         try:
             channel.send(self._to, message)
         except (BrokenPipeError, OSError):
-            self._pump(0.5)
+            self._await_verdict()
             raise SandboxDied(self.why_ended()) from None
         try:
             return self._receive(timeout)
