@@ -757,7 +757,8 @@ class TestWhatColabBrings:
         pid_dir = tmp_path / "pids"
         pid_dir.mkdir()
         manager = jupyter_client.KernelManager(kernel_name="python3")
-        manager.start_kernel(cwd=str(tmp_path))
+        # TMPDIR: a killed launcher cannot remove its course_lib-launch-* folder; keep it in the test's own folder
+        manager.start_kernel(cwd=str(tmp_path), env={**os.environ, "TMPDIR": str(tmp_path)})
         client = manager.client()
         client.start_channels()
         try:
@@ -816,7 +817,7 @@ class TestWhatColabBrings:
                           "if __name__ == '__main__':  # spawned ranks import this file again\n"
                           "    course_lib.launch(lambda r, w: time.sleep(120), world_size=2, timeout=100, "
                           "start_method='spawn')\n")
-        launcher = subprocess.Popen([sys.executable, str(script)])
+        launcher = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "TMPDIR": str(tmp_path)})
         try:
             deadline = time.monotonic() + 60
             ranks = {}
