@@ -128,6 +128,47 @@ def test_a_deadlock_names_the_ranks_waiting_for_each_other_and_where():
     assert [c.status for c in outcome.cases[1:]] == ["not run"] * (len(outcome.cases) - 1)
 
 
+def _counted_drive(fn, sizes, case_timeout):
+    """runner.drive on the real ranks, with every launch it asks for recorded as (world size, cases, timeout)."""
+    exercise = registry.get("ring_scatter_reduce")
+    cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
+    launches = []
+
+    def run(world_size, batch, inputs, first_index, timeout):
+        launches.append((world_size, len(batch), timeout))
+        return runner.run_batch(exercise.name, fn, world_size, batch, inputs, first_index, timeout)
+
+    return runner.drive(exercise, cases, run, case_timeout=case_timeout), launches
+
+
+def test_a_hang_is_retried_with_more_time_once_per_check_once_it_proved_real():
+    """The first hang runs again alone with RETRY_FACTOR times the time; once that run hangs too, the function is
+    known to hang, and the next world size's hang counts at once (a deadlocked ring: one timeout per world size)."""
+    outcome, launches = _counted_drive(pb.rs_deadlock, sizes=(2, 3, 4), case_timeout=1.0)
+    longer = 1.0 * runner.RETRY_FACTOR
+    assert [(g, timeout) for g, _, timeout in launches] == [(2, 1.0), (2, longer), (3, 1.0), (4, 1.0)], launches
+    failed = [c for c in outcome.cases if c.status == "failed"]
+    assert [c.case.world_size for c in failed] == [2, 3, 4]
+    assert all("deadlock" in c.problems[-1].message for c in failed), [c.problems[-1].message for c in failed]
+
+
+def test_a_case_that_only_the_machine_made_slow_passes_on_its_retry_and_keeps_the_retry_for_later_sizes(tmp_path):
+    """A correct ring whose first case at each world size takes longer than a case may (a busy machine, once)
+    passes when it runs again, and the check, having learned nothing about hangs, still gives the next world
+    size's slow case its retry."""
+    def slow_once_ring(tensor):
+        marker = tmp_path / f"slow.G{torch.distributed.get_world_size()}.rank{torch.distributed.get_rank()}"
+        if not marker.exists():
+            marker.touch()
+            time.sleep(1.5)                  # over the 0.4 s a case may take, this once
+        return pb.rs_isend_recv(tensor)
+
+    outcome, launches = _counted_drive(slow_once_ring, sizes=(2, 3), case_timeout=0.4)
+    assert all(c.passed for c in outcome.cases), [(c.case, c.problems) for c in outcome.cases if not c.passed]
+    longer = [g for g, _, timeout in launches if timeout > 0.4]
+    assert longer == [2, 3], launches
+
+
 def test_the_ring_picture_shows_the_failing_step():
     result, outcome = _run(pb.Entry("ring_scatter_reduce", pb.rs_off_by_one_chunk), sizes=(3,))
     first = next(c for c in outcome.cases if not c.passed)

@@ -18,10 +18,13 @@ What can go wrong, and what happens:
   once. The case fails with the exception; the remaining cases of that world size run in a new launch.
 * a deadlock or an endless loop: a watchdog thread in every rank notices that the case has run for
   `case_timeout` seconds, writes what the rank is blocked in (or which line of the learner's code it
-  is running) and ends the rank. The first such case of a world size runs once more, alone, with
-  RETRY_FACTOR times the time (a busy machine is not a deadlock). If it hangs again it fails with an
-  explanation read from all ranks' reports, and the remaining cases of that world size are skipped
-  (each would cost another timeout).
+  is running) and ends the rank. The first such case runs once more, alone, with RETRY_FACTOR times
+  the time (a busy machine is not a deadlock). If it hangs again it fails with an explanation read from
+  all ranks' reports, and the remaining cases of that world size are skipped (each would cost another
+  timeout). Once a hang has survived its longer run, the function is known to hang, and a hang at a
+  later world size counts at once: a deadlocked ring then costs one timeout per world size, not five,
+  and the check reaches every world size within its budget. While retries turn out to be the machine's
+  slowness, every world size keeps its retry.
 * a forbidden call (a built-in collective, course_lib's own implementation): that case scores 0.
 * NotImplementedError: the exercise is "not done yet"; nothing else runs.
 * a check that runs out of its overall time budget marks the cases it did not reach as not run.
@@ -462,8 +465,9 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
         result, follow = _failed_case(exercise, cases[index], records, stuck, batch.launch_error, timeout)
         return result, follow, all(rec is not None for rec in records)
 
+    hang_confirmed = False    # a hang survived its longer run: the function hangs, the machine is not just slow
     for world_size in sorted(by_size):
-        todo, retried = by_size[world_size], False
+        todo, retried = by_size[world_size], hang_confirmed
         while todo:
             if time.monotonic() > deadline:
                 for index in todo:
@@ -477,14 +481,15 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
                 if result is None:
                     return Outcome([], not_done=follow)
                 if follow == "skip" and not retried:
-                    # A hang may be a busy machine rather than a deadlock: once per world size, the case runs
-                    # again alone with more time before it counts (a true deadlock costs that time once).
+                    # A hang may be a busy machine rather than a deadlock: the case runs again alone with more
+                    # time before it counts (a true deadlock costs that time once per check, not per world size).
                     retried = True
                     longer = case_timeout * RETRY_FACTOR
                     result, follow, everyone = evaluate(index, run(world_size, [cases[index]], [inputs[index]], index,
                                                                    longer), longer)
                     if result is None:
                         return Outcome([], not_done=follow)
+                    hang_confirmed = follow == "skip"
                     if follow != "skip":
                         everyone = False      # go on with the rest of this world size in a new launch
                 results[index] = result
