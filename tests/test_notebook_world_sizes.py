@@ -9,7 +9,7 @@ one rank beyond a power of two, 3 has too, and it cost about two of CI's 20 minu
 
 The exercises' check cells (nbgrader `grade` cells) are left out of these runs: `exercises.check`
 runs the learner's function on its own cases and world sizes (1 to 6) whatever WORLD_SIZE says, so
-running it again at four more world sizes repeats the same work (about a minute of CI). nbval runs
+running it again at three more world sizes repeats the same work (about a minute of CI). nbval runs
 them in every notebook, and tests/test_grade.py and tests/test_exercises.py grade them.
 
 So are the other cells whose work does not depend on WORLD_SIZE (`world_size_plan`): a cell runs here when
