@@ -245,16 +245,18 @@ def test_a_rubric_file_reweights_and_drops_lines(tmp_path):
     path = _submission(tmp_path, [_IMPORTS, wrong_return], name="04_ring_scatter_reduce.ipynb")
     rubric = tmp_path / "rubric.toml"
     rubric.write_text("[ring_scatter_reduce]\nreturned = 6\nsingle = 0\n")
-    default_out, weighted_out = tmp_path / "default.json", tmp_path / "weighted.json"
-    assert _run_grader(path, "--json", default_out, cwd=tmp_path, timeout=300).returncode == 0
+    weighted_out = tmp_path / "weighted.json"
     assert _run_grader(path, "--json", weighted_out, "--rubric", rubric, cwd=tmp_path, timeout=300).returncode == 0
-    default, weighted = json.loads(default_out.read_text()), json.loads(weighted_out.read_text())
+    weighted = json.loads(weighted_out.read_text())
     lines = {line.key: line.points for line in registry.get("ring_scatter_reduce").rubric}
-    assert default["score"] == sum(lines.values()) - lines["returned"]     # only the return value is missed
     expected = {**lines, "returned": 6, "single": 0}
-    assert weighted["score"] == sum(expected.values()) - expected["returned"]
-    assert {t["name"].rsplit(": ", 1)[1]: t["max_score"] for t in weighted["tests"]} == \
+    by_line = {t["name"].rsplit(": ", 1)[1]: t for t in weighted["tests"]}
+    assert {k: t["max_score"] for k, t in by_line.items()} == \
         {k: v for k, v in expected.items() if v > 0}                       # the dropped line is no test at all
+    assert {k: t["status"] for k, t in by_line.items()} == \
+        {k: "failed" if k == "returned" else "passed" for k in by_line}    # only the return value is missed
+    assert weighted["score"] == sum(expected.values()) - expected["returned"]
+    # (the default weights, without --rubric: test_every_solution_notebook_gets_full_marks_in_one_command)
     bad = tmp_path / "bad.toml"
     bad.write_text("[ring_scatter_reduce]\nreturn_value = 1\n")
     done = _run_grader(path, "--rubric", bad, cwd=tmp_path, timeout=60)
