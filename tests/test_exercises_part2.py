@@ -20,7 +20,7 @@ from course_lib.exercises.report import Result  # noqa: E402
 PART_TWO = ("08", "09", "10", "11")
 
 
-def _run(exercise_name, fn, sizes, case_timeout=1.0):  # a correct case takes milliseconds; a hang is retried at 4 s
+def _run(exercise_name, fn, sizes, case_timeout=2.0):
     exercise = registry.get(exercise_name)
     cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
     outcome = runner.run_function(exercise, fn, cases=cases, case_timeout=case_timeout)
