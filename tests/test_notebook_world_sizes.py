@@ -17,9 +17,12 @@ it reads WORLD_SIZE, or a name a cell that did so bound or changed (G, the ranks
 when a cell that runs needs what it binds; the rest compute what nbval computed at 4 ranks, the same at any
 size (notebook 13's launches of 64 ranks, 10's and 12's own 64-rank launches). The reading is by names: a
 cell that reads WORLD_SIZE through hidden state (a library setting another cell made from WORLD_SIZE) would be
-left out wrongly, which loses that cell's run here and never fails one; a cell left out whose names a later
-cell needs fails that cell at once (NameError). Cells that seed or run IPython magics always run, and a cell left
-out still runs its imports.
+left out wrongly, which loses that cell's run here. The other way round it errs towards running: a cell runs when
+it binds, or calls any method of, an object a running cell reads (so `rng.random()` and `model.train()` keep their
+effects), a function's body counts where the function is used, and cells that seed or run IPython magics always
+run; a left-out cell still runs its imports. What it cannot see (a function that changes a global object in place,
+`exec`) could leave out a cell a running one relies on: that cell then fails here, loudly (NameError, an assert),
+and the fix is to say it in the notebook's names.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import ast
 import pathlib
 import re
 import symtable
+from dataclasses import dataclass, field
 
 import pytest
 from conftest import execute_notebook
@@ -71,8 +75,22 @@ def test_exercise_checks_do_not_read_world_size():
 # --------------------------------------------------------------------------------------------------
 
 _MUTATORS = {"append", "extend", "update", "add", "pop", "insert", "setdefault", "clear", "remove", "sort",
-             "discard", "popitem"}
-_ALWAYS = ("seed", "chdir", "run_line_magic", "run_cell_magic", "system")   # calls whose effect is not a name
+             "discard", "popitem", "appendleft", "extendleft", "fill", "put", "resize", "__setitem__"}
+_ALWAYS = ("seed", "chdir", "run_line_magic", "run_cell_magic", "system", "getoutput")   # effects beyond names
+
+
+@dataclass
+class _Statement:
+    """What one top-level statement of a cell does with names. `defines`: for a function (or class) it defines,
+    the globals its body reads and assigns, which count where the function is used, not where it is defined."""
+
+    reads: set
+    binds: set
+    imports: set
+    changes: set
+    touches: set
+    rebinds: bool                 # a plain assignment, import or definition: the name's earlier value is gone
+    defines: dict = field(default_factory=dict)
 
 
 def _python(source: str) -> ast.Module:
@@ -81,46 +99,126 @@ def _python(source: str) -> ast.Module:
     return ast.parse(TransformerManager().transform_cell(source))
 
 
-def _reads_in_functions(table, out):
-    """Globals read inside the functions, classes and lambdas a statement defines (read when they run)."""
+def _inner_globals(table, reads, assigns):
+    """Globals read (and assigned, `global x`) inside the functions, classes and lambdas below `table`."""
     for child in table.get_children():
-        out |= {s.get_name() for s in child.get_symbols()
-                if s.is_referenced() and (s.is_global() or s.is_free()) and not s.is_local()}
-        _reads_in_functions(child, out)
+        for symbol in child.get_symbols():
+            if symbol.is_referenced() and (symbol.is_global() or symbol.is_free()) and not symbol.is_local():
+                reads.add(symbol.get_name())
+            if symbol.is_declared_global() and symbol.is_assigned():
+                assigns.add(symbol.get_name())
+        _inner_globals(child, reads, assigns)
 
 
-def _changed(statement) -> set:
-    """Names whose object a statement changes in place: `x[k] = ...`, `x.attr = ...`, `x.append(...)`."""
-    out = set()
-    for node in ast.walk(statement):
-        target = None
+def _root(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
+           ast.DictComp, ast.GeneratorExp)
+
+
+def _walk_this_scope(node):
+    """ast.walk without descending into function, class, lambda and comprehension bodies (scopes of their own)."""
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(child for child in ast.iter_child_nodes(node) if not isinstance(child, _SCOPES))
+
+
+def _stored_first(statement) -> set:
+    """Names a compound statement stores before it reads them, in the order Python evaluates it (a loop's own
+    variables, `x = ...` before `print(x)`), as opposed to `acc = acc + i` or `if G > 2: G = 2`."""
+    first = {}
+
+    def visit(node):
+        if isinstance(node, _SCOPES):
+            return
+        if isinstance(node, ast.Name):
+            first.setdefault(node.id, isinstance(node.ctx, ast.Store))
+            return
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):       # the value is evaluated first
+            order = [node.value] + (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                first.setdefault(node.target.id, False)                        # x += 1 reads x first
+            for child in order:
+                if child is not None:
+                    visit(child)
+            return
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            for child in [node.iter, node.target, *node.body, *node.orelse]:
+                visit(child)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(statement)
+    return {name for name, stored in first.items() if stored}
+
+
+def _changed(statement, modules) -> tuple:
+    """(changes, touches): the names whose object a statement changes in place, as far as can be told
+    (`x[k] = ...`, `x.attr = ...`, `x.append(...)`, torch's `t.add_(...)`), and, wider, the names whose object it
+    may change: any method call (`model.train()`, `rng.random()`). A change in a statement that depends on
+    WORLD_SIZE makes the object depend on it; a cell that may change an object a running cell needs runs too.
+    Module functions (`np.log(...)`) change no module."""
+    changes, touches = set(), set()
+    for node in _walk_this_scope(statement):
         if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            target = node
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
-            target = node.func.value
-        while isinstance(target, (ast.Attribute, ast.Subscript)):
-            target = target.value
-        if isinstance(target, ast.Name):
-            out.add(target.id)
-    return out
+            changes.add(_root(node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, owner = node.func.attr, _root(node.func.value)
+            touches.add(owner)
+            if method in _MUTATORS or (method.endswith("_") and not method.startswith("_")):
+                changes.add(owner)
+    changes -= modules | {None}
+    return changes, (touches | changes) - modules - {None}
 
 
-def _statements(source: str) -> list:
-    """(reads, binds, imports, changes, rebinds) per top-level statement of a cell; `rebinds`: a plain
-    assignment, import or definition, after which the name's earlier value no longer matters."""
+def _magic_bodies(statement) -> list:
+    """The Python inside `%%time` / `%time x = ...` (IPython turns them into strings)."""
+    bodies = []
+    for node in ast.walk(statement):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("run_cell_magic", "run_line_magic"):
+            for argument in node.args[1:]:
+                if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                    try:
+                        bodies += _python(argument.value).body
+                    except SyntaxError:
+                        pass
+    return bodies
+
+
+def _statements(source: str, modules=frozenset()) -> list:
+    """A `_Statement` per top-level statement of a cell (and per statement inside its magics)."""
     out = []
-    for statement in _python(source).body:
+    body = _python(source).body
+    body = body + [inner for statement in body for inner in _magic_bodies(statement)]
+    for statement in body:
         table = symtable.symtable(ast.unparse(statement), "<cell>", "exec")
         symbols = table.get_symbols()
         binds = {s.get_name() for s in symbols if s.is_assigned() or s.is_imported() or s.is_namespace()}
         imports = {s.get_name() for s in symbols if s.is_imported() and not s.is_assigned()}
         reads = {s.get_name() for s in symbols if s.is_referenced()}
-        _reads_in_functions(table, reads)
-        if isinstance(statement, (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try)):
-            reads -= binds      # a loop's or a block's own names, bound in it before it reads them
+        inner_reads, inner_assigns = set(), set()
+        _inner_globals(table, inner_reads, inner_assigns)
+        reads |= inner_reads                   # as if called here too (a lambda or generator may well be)
+        reads |= {n.target.id for n in ast.walk(statement)
+                  if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)}       # x += 1 reads x
+        if not isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            reads -= _stored_first(statement)  # a loop's own variables, a block's names set before they are read
+        defines = {}
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defines[statement.name] = (inner_reads, inner_assigns)
+        elif isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Lambda):
+            defines.update({t.id: (inner_reads, inner_assigns) for t in statement.targets if isinstance(t, ast.Name)})
         rebinds = isinstance(statement, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom, ast.FunctionDef,
                                          ast.AsyncFunctionDef, ast.ClassDef))
-        out.append((reads, binds, imports, _changed(statement), rebinds))
+        out.append(_Statement(reads, binds, imports, *_changed(statement, modules), rebinds, defines))
     return out
 
 
@@ -135,31 +233,57 @@ def _imports_of(source: str) -> str:
     return "\n".join(ast.unparse(s) for s in _python(source).body if isinstance(s, (ast.Import, ast.ImportFrom)))
 
 
+def _through_calls(names: set, defines: dict) -> tuple:
+    """`names` read, plus what the functions among them read and assign when called (transitively)."""
+    reads, assigns, todo = set(names), set(), list(names)
+    while todo:
+        inner_reads, inner_assigns = defines.get(todo.pop(), (set(), set()))
+        assigns |= inner_assigns
+        for name in inner_reads - reads:
+            reads.add(name)
+            todo.append(name)
+    return reads, assigns
+
+
 def world_size_plan(sources: list) -> set:
     """The positions of the code cells (`sources`, in order) that a run at another WORLD_SIZE must execute.
 
-    Forward, statement by statement: a statement that binds WORLD_SIZE, or reads a name that depends on it,
-    makes its cell depend on it, and what it binds or changes depends on it from then on (a plain rebinding
-    from other values ends that). Backward: a cell also runs when a later running cell reads (or changes) a
-    name it binds; cells that seed or run magics always run, and a cell left out still runs its imports.
+    Forward, statement by statement: a statement that binds WORLD_SIZE, or reads a name that depends on it
+    (directly, or inside a function it uses), makes its cell depend on it, and what it binds or may change
+    depends on it from then on (a plain top-level rebinding from other values ends that). Backward: a cell also
+    runs when a later running cell reads (or changes) a name it binds; cells that seed or run magics always
+    run, and a cell left out still runs its imports.
     """
-    statements = [_statements(source) for source in sources]
+    modules = set()
+    for source in sources:
+        modules |= {n for s in _statements(source) for n in s.imports}
+    statements = [_statements(source, frozenset(modules)) for source in sources]
+    defines = {}
+    for cell in statements:
+        for statement in cell:
+            for name, (reads, assigns) in statement.defines.items():        # every definition of a name, merged
+                known = defines.setdefault(name, (set(), set()))
+                known[0].update(reads)
+                known[1].update(assigns)
     depends, dependent = {"WORLD_SIZE"}, set()
     for position, cell in enumerate(statements):
-        for reads, binds, imports, changes, _ in cell:
+        for statement in cell:
+            reads, assigns = _through_calls(statement.reads, defines)
+            binds = statement.binds | assigns
             if reads & depends or "WORLD_SIZE" in binds:
                 dependent.add(position)
-                depends |= (binds - imports) | changes
-            else:
-                depends -= binds - changes
+                depends |= (binds - statement.imports) | statement.changes
+            elif statement.rebinds:
+                depends -= binds - statement.changes
     run, needed = set(), set()
     for position in reversed(range(len(sources))):
         reads, rebound, touched = set(), set(), set()
-        for statement_reads, binds, _, changes, rebinds in statements[position]:
-            reads |= (statement_reads | changes) - rebound
-            touched |= binds | changes
-            if rebinds:
-                rebound |= binds - changes
+        for statement in statements[position]:
+            statement_reads, assigns = _through_calls(statement.reads, defines)
+            reads |= (statement_reads | statement.touches) - rebound
+            touched |= statement.binds | assigns | statement.touches
+            if statement.rebinds:
+                rebound |= statement.binds - statement.changes
         if position in dependent or touched & needed or _always_runs(sources[position]):
             run.add(position)
             needed = (needed - rebound) | reads
@@ -238,3 +362,32 @@ def test_seeds_and_magics_always_run_and_a_left_out_cell_keeps_its_imports():
     assert _planned("WORLD_SIZE = 4", "torch.manual_seed(0)", "%matplotlib inline", "x = 1") == [0, 1, 2]
     assert _imports_of("import math\nfrom course_lib import bench as b\nx = math.pi") == \
         "import math\nfrom course_lib import bench as b"
+
+
+def test_what_a_statement_updates_it_reads_first():
+    assert _planned("WORLD_SIZE = 4", "n = 0", "n += WORLD_SIZE") == [0, 1, 2]               # n = 0 is needed
+    assert _planned("WORLD_SIZE = 4", "sizes = [WORLD_SIZE]", "sizes += [8]", "print(sizes)") == [0, 1, 2, 3]
+    assert _planned("WORLD_SIZE = 4", "G = WORLD_SIZE\nif G > 2:\n    G = 2", "print(G)") == [0, 1, 2]
+    assert _planned("WORLD_SIZE = 4", "acc = 0", "for i in range(WORLD_SIZE):\n    acc = acc + i") == [0, 1, 2]
+    assert _planned("WORLD_SIZE = 4", "m = WORLD_SIZE", "for v in range(3):\n    m = v * 2\n    print(m)") == [0, 1]
+
+
+def test_a_function_counts_where_it_is_used():
+    assert _planned("def f():\n    return G * 2", "WORLD_SIZE = 4", "G = WORLD_SIZE", "print(f())") == [0, 1, 2, 3]
+    assert _planned("WORLD_SIZE = 4", "def f():\n    return helper() * WORLD_SIZE", "def helper():\n    return 2",
+                    "f()") == [0, 1, 2, 3]
+    assert _planned("WORLD_SIZE = 4", "def f():\n    global X\n    X = 1", "f()", "print(X, WORLD_SIZE)") == \
+        [0, 1, 2, 3]
+
+
+def test_a_method_call_keeps_its_cell_when_the_object_is_needed_and_in_place_methods_pass_the_dependence_on():
+    assert _planned("import numpy as np\nrng = np.random.default_rng(0)", "rng.random(3)", "WORLD_SIZE = 4",
+                    "x = rng.random(WORLD_SIZE)") == [0, 1, 2, 3]                 # the stream the last cell draws from
+    assert _planned("import torch\nt = torch.zeros(2)", "WORLD_SIZE = 4", "t.add_(WORLD_SIZE)", "print(t)") == \
+        [0, 1, 2, 3]
+    assert _planned("NET = make()", "WORLD_SIZE = 4", "t = NET.predict(WORLD_SIZE)", "u = NET.predict(64)") == [0, 1, 2]
+
+
+def test_the_python_inside_a_cell_magic_is_read():
+    assert _planned("WORLD_SIZE = 4", "data = [1, 2]", "%%time\nprint(len(data), WORLD_SIZE)") == [0, 1, 2]
+    assert _planned("WORLD_SIZE = 4", "x = 1", "%%time\nG = WORLD_SIZE", "print(G)", "print(x)") == [0, 2, 3]
