@@ -159,12 +159,12 @@ def _stored_first(statement) -> set:
     return {name for name, stored in first.items() if stored}
 
 
-def _changed(statement, modules) -> tuple:
+def _changed(statement) -> tuple:
     """(changes, touches): the names whose object a statement changes in place, as far as can be told
     (`x[k] = ...`, `x.attr = ...`, `x.append(...)`, torch's `t.add_(...)`), and, wider, the names whose object it
     may change: any method call (`model.train()`, `rng.random()`). A change in a statement that depends on
     WORLD_SIZE makes the object depend on it; a cell that may change an object a running cell needs runs too.
-    Module functions (`np.log(...)`) change no module."""
+    (`world_size_plan` takes the notebook's modules out: `np.log(...)` changes no module.)"""
     changes, touches = set(), set()
     for node in _walk_this_scope(statement):
         if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
@@ -174,8 +174,7 @@ def _changed(statement, modules) -> tuple:
             touches.add(owner)
             if method in _MUTATORS or (method.endswith("_") and not method.startswith("_")):
                 changes.add(owner)
-    changes -= modules | {None}
-    return changes, (touches | changes) - modules - {None}
+    return changes - {None}, (touches | changes) - {None}
 
 
 def _magic_bodies(statement) -> list:
@@ -193,11 +192,10 @@ def _magic_bodies(statement) -> list:
     return bodies
 
 
-def _statements(source: str, modules=frozenset()) -> list:
+def _statements(tree: ast.Module) -> list:
     """A `_Statement` per top-level statement of a cell (and per statement inside its magics)."""
     out = []
-    body = _python(source).body
-    body = body + [inner for statement in body for inner in _magic_bodies(statement)]
+    body = tree.body + [inner for statement in tree.body for inner in _magic_bodies(statement)]
     for statement in body:
         table = symtable.symtable(ast.unparse(statement), "<cell>", "exec")
         symbols = table.get_symbols()
@@ -218,13 +216,13 @@ def _statements(source: str, modules=frozenset()) -> list:
             defines.update({t.id: (inner_reads, inner_assigns) for t in statement.targets if isinstance(t, ast.Name)})
         rebinds = isinstance(statement, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom, ast.FunctionDef,
                                          ast.AsyncFunctionDef, ast.ClassDef))
-        out.append(_Statement(reads, binds, imports, *_changed(statement, modules), rebinds, defines))
+        out.append(_Statement(reads, binds, imports, *_changed(statement), rebinds, defines))
     return out
 
 
-def _always_runs(source: str) -> bool:
+def _always_runs(tree: ast.Module) -> bool:
     calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-             for node in ast.walk(_python(source)) if isinstance(node, ast.Call)}
+             for node in ast.walk(tree) if isinstance(node, ast.Call)}
     return any(word in call for call in calls for word in _ALWAYS)
 
 
@@ -254,10 +252,13 @@ def world_size_plan(sources: list) -> set:
     runs when a later running cell reads (or changes) a name it binds; cells that seed or run magics always
     run, and a cell left out still runs its imports.
     """
-    modules = set()
-    for source in sources:
-        modules |= {n for s in _statements(source) for n in s.imports}
-    statements = [_statements(source, frozenset(modules)) for source in sources]
+    trees = [_python(source) for source in sources]
+    statements = [_statements(tree) for tree in trees]
+    modules = {name for cell in statements for statement in cell for name in statement.imports}
+    for cell in statements:
+        for statement in cell:
+            statement.changes -= modules
+            statement.touches -= modules
     defines = {}
     for cell in statements:
         for statement in cell:
@@ -284,7 +285,7 @@ def world_size_plan(sources: list) -> set:
             touched |= statement.binds | assigns | statement.touches
             if statement.rebinds:
                 rebound |= statement.binds - statement.changes
-        if position in dependent or touched & needed or _always_runs(sources[position]):
+        if position in dependent or touched & needed or _always_runs(trees[position]):
             run.add(position)
             needed = (needed - rebound) | reads
     return run
