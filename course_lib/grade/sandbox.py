@@ -827,7 +827,7 @@ class Sandbox:
             elif ready:
                 self._pump(0)
                 self._lines = [line for line in self._lines if line != "ok"]
-                if self.limit_hit or self._eof or any(line.startswith("clean") for line in self._lines):
+                if self.limit_hit or self._eof or self._cleaned():
                     raise SandboxDied(self.why_ended())
 
     def check_limits(self, timeout: float = 10.0) -> str | None:
@@ -853,13 +853,17 @@ class Sandbox:
             self._pump(deadline - time.monotonic())
         return self.limit_hit
 
+    def _cleaned(self) -> bool:
+        """Has the warden said "clean" (everything below it is gone)?"""
+        return any(line.startswith("clean") for line in self._lines)
+
     def _await_verdict(self, timeout: float = 10.0) -> None:
         """The kernel's end of the channel closed: wait for the warden to say why (a limit, the kernel's wait
         status, or its clean-up), so that a cell the OOM killer ended is reported as the memory limit even when a
         busy machine lets the warden notice it a second or two after the judge did."""
         deadline = time.monotonic() + timeout
-        while (not self.limit_hit and self.exit_status is None and not self._eof
-               and not any(line.startswith("clean") for line in self._lines) and time.monotonic() < deadline):
+        while (not self.limit_hit and self.exit_status is None and not self._eof and not self._cleaned()
+               and time.monotonic() < deadline):
             self._pump(deadline - time.monotonic())
 
     def why_ended(self) -> str:
@@ -924,7 +928,7 @@ class Sandbox:
         except (BrokenPipeError, OSError, ValueError):
             pass
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not self._eof and not any(l.startswith("clean") for l in self._lines):
+        while time.monotonic() < deadline and not self._eof and not self._cleaned():
             self._pump(deadline - time.monotonic())
         self._lines = [line for line in self._lines if line != "ok" and not line.startswith("ended ")]
         try:
