@@ -646,11 +646,11 @@ def test_without_root_a_user_namespace_isolates_or_the_grader_refuses(tmp_path):
         def as_nobody(*args):
             return subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
                                    python, *args], capture_output=True, text=True, timeout=300, cwd=home, env=env)
-        probe = as_nobody(sandbox.WARDEN, "--probe", "--userns")
+        # The warden nobody's grader runs: the one in the course_lib it imports (a mirror, when the checkout is
+        # closed to other users, as a clone under mktemp -d is).
+        probe = as_nobody(str(course_lib_dir / "grade" / "_warden.py"), "--probe", "--userns")
         userns = probe.stdout.strip() == "ok"
         done = as_nobody("-m", "course_lib.grade", "06_ring_cost.ipynb", "--json", "results.json")
-        # Everything a failure needs to be read: a clone under mktemp -d (mode 700) fails here, and only the
-        # probe's stderr and results.json said why (nobody cannot open the clone's _warden.py).
         results_text = (home / "results.json").read_text()[-2000:] if (home / "results.json").exists() else ""
         why = (f"probe {probe.returncode} {probe.stdout.strip()[-300:]!r} {probe.stderr.strip()[-300:]!r}; "
                f"stderr {done.stderr[-1500:]}; results {results_text}")

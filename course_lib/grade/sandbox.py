@@ -649,14 +649,18 @@ def _mirror_sites(sites) -> list[pathlib.Path]:
 def _mirror_sites_locked(sites) -> list[pathlib.Path]:
     if "sites" not in _MIRROR:
         root = _mirror_root()
+        # Each copy keeps the name site-packages: a grader run on the mirror (as that user, e.g. nobody) finds it
+        # among its site folders (`_site_dirs`) and hands it on to its own sandboxes.
+        mirrored = [root / f"site{index}" / "site-packages" for index in range(len(sites))]
         try:
-            for index, folder in enumerate(sites):
-                shutil.copytree(folder, root / f"site{index}", symlinks=True, copy_function=os.link)
+            for folder, copy in zip(sites, mirrored):
+                copy.parent.mkdir(mode=0o755)
+                shutil.copytree(folder, copy, symlinks=True, copy_function=os.link)
         except OSError as exc:
             raise SandboxStartError(f"the sandbox user cannot read {sites[0]} (a folder above it is closed to other "
                                     f"users), and a mirror of hard links failed ({exc}): install the course's packages "
                                     "where every user can read them (e.g. a virtual environment in /opt)") from None
-        _MIRROR["sites"] = [root / f"site{index}" for index in range(len(sites))]
+        _MIRROR["sites"] = mirrored
     return _MIRROR["sites"]
 
 
