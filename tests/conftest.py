@@ -214,12 +214,11 @@ def execute_notebook(client):
 
 # -- how pytest-xdist shares the work between its two workers ------------------------------------------------------
 # `--dist loadscope` keeps a notebook's cells (nbval: one kernel) and a test class or module (a module fixture such
-# as the grading battery) on one worker. The notebooks at other world sizes (test_notebook_world_sizes.py) each
-# start a kernel of their own, so they need no company: each is a work unit by itself, and they go out first, most
-# ranks and the later (longer) notebooks first, so the longest units start early and the many short ones fill both
-# workers at the end. Grouped by class, the 14 notebooks at 8 ranks were one unit of several minutes, which a
-# worker could start when the other had little left.
-WORLD_SIZE_TESTS = "tests/test_notebook_world_sizes.py::TestWorldSize"
+# as the grading battery) on one worker. Each notebook's run at the other world sizes
+# (test_notebook_world_sizes.py) starts a kernel of its own, so it needs no company: each is a work unit by itself,
+# and they go out first, the later (longer) notebooks first, so the longest units start early and the many short
+# ones fill both workers at the end.
+WORLD_SIZE_TESTS = "tests/test_notebook_world_sizes.py::test_notebook_runs_at_other_world_sizes["
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -237,10 +236,9 @@ def pytest_xdist_make_scheduler(config, log):
                 units = list(self.workqueue.items())
                 self.workqueue.clear()
 
-                def longest_first(unit):                     # TestWorldSize8::test_notebook_runs[12_...] -> (-8, -12)
-                    size, _, rest = unit[0][len(WORLD_SIZE_TESTS):].partition("::")
-                    notebook = rest.partition("[")[2][:2]
-                    return -int(size), -int(notebook) if notebook.isdigit() else 0
+                def longest_first(unit):                     # ...world_sizes[12_fewer_bytes_less_memory] -> -12
+                    notebook = unit[0][len(WORLD_SIZE_TESTS):][:2]
+                    return -int(notebook) if notebook.isdigit() else 0
 
                 first = sorted((u for u in units if u[0].startswith(WORLD_SIZE_TESTS)), key=longest_first)
                 for scope, nodeids in first + [u for u in units if not u[0].startswith(WORLD_SIZE_TESTS)]:

@@ -7,6 +7,11 @@ machine has cores. The notebooks assert their own numbers (computed from WORLD_S
 works for 4 ranks fails here. (5 was a fourth size until the course reached 13 notebooks; what set it apart, odd and
 one rank beyond a power of two, 3 has too, and it cost about two of CI's 20 minutes.)
 
+The three sizes run one after another in one kernel, each from a namespace emptied by `%reset -f` (a cell that
+reads a name before the notebook binds it still fails, as in a fresh kernel); what carries over is the imported
+modules, and that is the point: a kernel's start and the notebook's imports of torch, course_lib and matplotlib
+cost about 3 s of CPU, paid once per notebook instead of three times. A failure names the size it happened at.
+
 The exercises' check cells (nbgrader `grade` cells) are left out of these runs: `exercises.check`
 runs the learner's function on its own cases and world sizes (1 to 6) whatever WORLD_SIZE says, so
 running it again at three more world sizes repeats the same work (about a minute of CI). nbval runs
@@ -291,47 +296,54 @@ def world_size_plan(sources: list) -> set:
     return run
 
 
-def _run_with_world_size(path, world_size):
+def _cells_at(path, world_size) -> list:
+    """The notebook's code cells as run at `world_size`: the plan's cells, the rest reduced to their imports."""
     notebook = nbformat.read(path, as_version=4)
-    code = [cell for cell in notebook.cells if cell.cell_type == "code" and not _is_exercise_check(cell)]
-    runs = world_size_plan([cell.source for cell in code])
-    for position, cell in enumerate(code):
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    runs = world_size_plan([cell.source for cell in code if not _is_exercise_check(cell)])
+    position = 0
+    for cell in code:
+        if _is_exercise_check(cell):
+            cell.source = "# exercise check: independent of WORLD_SIZE, run by nbval (see the module docstring)"
+            continue
         if position not in runs:
             cell.source = "# independent of WORLD_SIZE: run by nbval at 4 ranks (see the module docstring)\n" + \
                 _imports_of(cell.source)
-    for cell in notebook.cells:
-        if cell.cell_type == "code" and WORLD_SIZE_LINE.search(cell.source):
-            cell.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", cell.source)
-        if _is_exercise_check(cell):
-            cell.source = "# exercise check: independent of WORLD_SIZE, run by nbval (see the module docstring)"
+        position += 1
+        cell.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", cell.source)
+    for cell in code:
+        cell.execution_count, cell.outputs = None, []     # so the failing cell is the last one with a count
+    return code
+
+
+# Between two world sizes the kernel forgets every name the notebook bound, as a fresh kernel would (a cell that reads
+# a name before the notebook binds it still fails); only imported modules stay, which is what the sharing saves.
+_FRESH_START = "%reset -f\nimport matplotlib.pyplot\nmatplotlib.pyplot.close('all')\ndel matplotlib"
+
+
+def _run_at_world_sizes(path, sizes=SIZES):
+    """Run the notebook at each of `sizes` in turn, in one kernel: a kernel's start and the notebook's imports (torch,
+    course_lib, matplotlib: about 3 s of CPU) are paid once, not once per size."""
+    notebook = nbformat.v4.new_notebook(metadata=nbformat.read(path, as_version=4).metadata)
+    first_cell = {}
+    for size in sizes:
+        first_cell[size] = len(notebook.cells)
+        notebook.cells.append(nbformat.v4.new_code_cell(f"# WORLD_SIZE = {size} from here on\n" + _FRESH_START))
+        notebook.cells.extend(_cells_at(path, size))
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
-    execute_notebook(client)  # raises CellExecutionError, with the failing cell and traceback, on any error
+    try:
+        execute_notebook(client)
+    except nbclient.exceptions.CellExecutionError as exc:   # the failing cell and its traceback: say at which size
+        ran = max(i for i, cell in enumerate(notebook.cells) if cell.get("execution_count") is not None)
+        size = max(s for s in sizes if first_cell[s] <= ran)
+        pytest.fail(f"{path.name} at WORLD_SIZE = {size}:\n{exc}", pytrace=False)
 
 
-# One class per world size: pytest-xdist's --dist loadscope hands each class to one worker, so the
-# sizes can run side by side while every notebook still runs start to finish in one kernel.
-class TestWorldSize2:
-    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
-    def test_notebook_runs(self, path):
-        _run_with_world_size(path, 2)
-
-
-class TestWorldSize3:
-    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
-    def test_notebook_runs(self, path):
-        _run_with_world_size(path, 3)
-
-
-class TestWorldSize8:
-    @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
-    def test_notebook_runs(self, path):
-        _run_with_world_size(path, 8)
-
-
-def test_the_classes_cover_every_size():
-    assert sorted(int(name[len("TestWorldSize"):]) for name in globals() if name.startswith("TestWorldSize")) \
-        == sorted(SIZES)
+# One test per notebook: pytest-xdist hands each to a worker of its own (tests/conftest.py sends the longest first).
+@pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
+def test_notebook_runs_at_other_world_sizes(path):
+    _run_at_world_sizes(path)
 
 
 def _planned(*sources):
@@ -392,3 +404,17 @@ def test_a_method_call_keeps_its_cell_when_the_object_is_needed_and_in_place_met
 def test_the_python_inside_a_cell_magic_is_read():
     assert _planned("WORLD_SIZE = 4", "data = [1, 2]", "%%time\nprint(len(data), WORLD_SIZE)") == [0, 1, 2]
     assert _planned("WORLD_SIZE = 4", "x = 1", "%%time\nG = WORLD_SIZE", "print(G)", "print(x)") == [0, 2, 3]
+
+
+def test_each_size_starts_from_no_names_and_a_failure_says_at_which_size(tmp_path):
+    notebook = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                 "language": "python"}})
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in (
+        "WORLD_SIZE = 4",
+        "assert 'kept' not in globals(), 'a name bound at the last size'\nkept = WORLD_SIZE",
+        "assert WORLD_SIZE != 3, 'this notebook breaks at 3 ranks'")]
+    path = tmp_path / "99_breaks_at_three.ipynb"
+    nbformat.write(notebook, path)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _run_at_world_sizes(path, sizes=(2, 3, 8))
+    assert "at WORLD_SIZE = 3:" in str(failed.value) and "this notebook breaks at 3 ranks" in str(failed.value)
