@@ -365,12 +365,14 @@ def test_without_isolation_the_warden_still_stops_everything_the_submission_left
 def test_without_namespaces_a_closed_install_is_read_through_a_mirror_of_hard_links(user, tmp_path, monkeypatch):
     """Isolation 'users' (no namespaces): course_lib is always read from a root-owned mirror of the package alone
     (never the checkout around it), and a torch the sandbox user cannot reach (a venv in /root) from a mirror of
-    hard links of the site folders; the sandbox can still write none of course_lib's files."""
+    hard links of the site folders; the sandbox can still write none of course_lib's files. The grader's umask
+    closes every folder it makes to other users (077), and the mirror is still open to them."""
     real = {pathlib.Path(course_lib.__file__).resolve().parent, pathlib.Path(torch.__file__).resolve().parent}
     reachable = sandbox._open_to_others
     monkeypatch.setattr(sandbox, "_open_to_others", lambda path, need: path not in real and reachable(path, need))
     monkeypatch.setattr(sandbox, "_MIRROR", {})
     before = _course_lib_digest()
+    umask = os.umask(0o077)
     cheat = CHEATS["edits_course_lib_on_disk"].replace(
         "ring_scatter_reduce = ring_scatter_reduce",
         "import torch\n        REPORT.extend([course_lib.__file__, torch.__file__])\n"
@@ -385,4 +387,5 @@ def test_without_namespaces_a_closed_install_is_read_through_a_mirror_of_hard_li
         assert _course_lib_digest() == before, "a submission changed course_lib's files through the mirror"
         assert mirror.stat().st_uid == 0 and mirror.stat().st_mode & 0o777 == 0o755
     finally:
+        os.umask(umask)
         shutil.rmtree(sandbox._MIRROR.get("root", tmp_path / "none"), ignore_errors=True)

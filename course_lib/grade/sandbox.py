@@ -654,7 +654,8 @@ def _mirror_sites_locked(sites) -> list[pathlib.Path]:
         mirrored = [root / f"site{index}" / "site-packages" for index in range(len(sites))]
         try:
             for folder, copy in zip(sites, mirrored):
-                copy.parent.mkdir(mode=0o755)
+                copy.parent.mkdir()
+                copy.parent.chmod(0o755)          # whatever the grader's umask
                 shutil.copytree(folder, copy, symlinks=True, copy_function=os.link)
         except OSError as exc:
             raise SandboxStartError(f"the sandbox user cannot read {sites[0]} (a folder above it is closed to other "
