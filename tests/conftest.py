@@ -216,9 +216,31 @@ def execute_notebook(client):
 # `--dist loadscope` keeps a notebook's cells (nbval: one kernel) and a test class or module (a module fixture such
 # as the grading battery) on one worker. Each notebook's run at the other world sizes
 # (test_notebook_world_sizes.py) starts a kernel of its own, so it needs no company: each is a work unit by itself,
-# and they go out first, the later (longer) notebooks first, so the longest units start early and the many short
-# ones fill both workers at the end.
+# and they go out first, highest notebook number first (the later notebooks run longest; 13, short, is the
+# exception), so the longest units start early and the many short ones fill both workers at the end.
 WORLD_SIZE_TESTS = "tests/test_notebook_world_sizes.py::test_notebook_runs_at_other_world_sizes["
+# Then the units that take 35 s or more, longest first (seconds: their sum of test durations in a quiet run of the test
+# command on two workers, 2026-11-27), then the rest in xdist's order (most tests first). In xdist's order the few-test
+# units of the browser and Colab tests came last, and one worker ran them for a minute after the other had finished.
+# A stale entry costs only time: a unit not listed runs with the rest, a name no longer collected is ignored.
+LONG_UNITS = (
+    "tests/test_grade_isolation.py",                  # 173: two grading batteries of attacks
+    "tests/test_grade.py",                            # 166
+    "tests/test_exercises.py",                        # 105
+    "tests/test_grade_cheats.py",                     # 88
+    "tests/test_grade_batch.py",                      # 82
+    "tests/browser/test_jupyterlab.py",               # 71
+    "tests/test_launch.py",                           # 65
+    "tests/test_exercises_part2.py",                  # 63
+    "tests/test_launch.py::TestWhatColabBrings",      # 52
+    "tests/test_network.py",                          # 51
+    "tests/test_colab.py",                            # 46
+    "notebooks/12_fewer_bytes_less_memory.ipynb",     # 45
+    "notebooks/11_beat_the_ring.ipynb",               # 44
+    "notebooks/10_measure_it.ipynb",                  # 42
+    "tests/test_grade_gradescope.py",                 # 38
+    "tests/test_assignments.py",                      # 36
+)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -241,7 +263,10 @@ def pytest_xdist_make_scheduler(config, log):
                     return -int(notebook) if notebook.isdigit() else 0
 
                 first = sorted((u for u in units if u[0].startswith(WORLD_SIZE_TESTS)), key=longest_first)
-                for scope, nodeids in first + [u for u in units if not u[0].startswith(WORLD_SIZE_TESTS)]:
+                by_scope = dict(units)
+                long = [(scope, by_scope[scope]) for scope in LONG_UNITS if scope in by_scope]
+                rest = [u for u in units if not u[0].startswith(WORLD_SIZE_TESTS) and u[0] not in LONG_UNITS]
+                for scope, nodeids in first + long + rest:
                     self.workqueue[scope] = nodeids
             return super()._assign_work_unit(node)
 

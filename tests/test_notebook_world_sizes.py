@@ -8,9 +8,13 @@ works for 4 ranks fails here. (5 was a fourth size until the course reached 13 n
 one rank beyond a power of two, 3 has too, and it cost about two of CI's 20 minutes.)
 
 The three sizes run one after another in one kernel, each from a namespace emptied by `%reset -f` (a cell that
-reads a name before the notebook binds it still fails, as in a fresh kernel); what carries over is the imported
-modules, and that is the point: a kernel's start and the notebook's imports of torch, course_lib and matplotlib
-cost about 3 s of CPU, paid once per notebook instead of three times. A failure names the size it happened at.
+reads a name before the notebook binds it still fails, as in a fresh kernel). What carries over is the kernel
+process: its imported modules, and that is the point (a kernel's start and the notebook's imports of torch,
+course_lib and matplotlib cost about 3 s of CPU, paid once per notebook instead of three times), but also their
+state: torch's global random generator and settings, course_lib's notices already given, the environment and the
+working folder. The notebooks seed what they draw and change none of the rest; on a GPU machine a backward() at one
+size would make `launch` spawn the ranks of the next (see `launch`), which these CPU runs never meet. A failure
+names its size, and the sizes after it still run, in a new kernel.
 
 The exercises' check cells (nbgrader `grade` cells) are left out of these runs: `exercises.check`
 runs the learner's function on its own cases and world sizes (1 to 6) whatever WORLD_SIZE says, so
@@ -312,32 +316,53 @@ def _cells_at(path, world_size) -> list:
         position += 1
         cell.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", cell.source)
     for cell in code:
-        cell.execution_count, cell.outputs = None, []     # so the failing cell is the last one with a count
+        cell.execution_count, cell.outputs = None, []     # run from blank, not from the stored run
     return code
 
 
 # Between two world sizes the kernel forgets every name the notebook bound, as a fresh kernel would (a cell that reads
-# a name before the notebook binds it still fails); only imported modules stay, which is what the sharing saves.
-_FRESH_START = "%reset -f\nimport matplotlib.pyplot\nmatplotlib.pyplot.close('all')\ndel matplotlib"
+# a name before the notebook binds it still fails), and closes the last size's figures.
+_FRESH_START = ("%reset -f\nimport sys\nif 'matplotlib.pyplot' in sys.modules:\n"
+                "    sys.modules['matplotlib.pyplot'].close('all')\ndel sys")
+
+
+def _run_in_one_kernel(path, sizes):
+    """Run the notebook at each of `sizes` in turn in one kernel, until a cell fails. Returns None, or the size it
+    failed at and the error (nbclient's: the failing cell and its traceback, a cell's timeout, a dead kernel)."""
+    notebook = nbformat.v4.new_notebook(metadata=nbformat.read(path, as_version=4).metadata)
+    size_of_cell = []
+    for size in sizes:
+        cells = [nbformat.v4.new_code_cell(f"# WORLD_SIZE = {size} from here on\n" + _FRESH_START)]
+        cells += _cells_at(path, size)
+        notebook.cells += cells
+        size_of_cell += [size] * len(cells)
+    running = []
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}},
+                                     on_cell_start=lambda cell, cell_index: running.append(cell_index))
+    try:
+        execute_notebook(client)
+    except Exception as exc:  # noqa: BLE001 - CellExecutionError, CellTimeoutError, DeadKernelError, ...
+        if not running:
+            raise
+        return size_of_cell[running[-1]], exc
+    return None
 
 
 def _run_at_world_sizes(path, sizes=SIZES):
-    """Run the notebook at each of `sizes` in turn, in one kernel: a kernel's start and the notebook's imports (torch,
-    course_lib, matplotlib: about 3 s of CPU) are paid once, not once per size."""
-    notebook = nbformat.v4.new_notebook(metadata=nbformat.read(path, as_version=4).metadata)
-    first_cell = {}
-    for size in sizes:
-        first_cell[size] = len(notebook.cells)
-        notebook.cells.append(nbformat.v4.new_code_cell(f"# WORLD_SIZE = {size} from here on\n" + _FRESH_START))
-        notebook.cells.extend(_cells_at(path, size))
-    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
-    try:
-        execute_notebook(client)
-    except nbclient.exceptions.CellExecutionError as exc:   # the failing cell and its traceback: say at which size
-        ran = max(i for i, cell in enumerate(notebook.cells) if cell.get("execution_count") is not None)
-        size = max(s for s in sizes if first_cell[s] <= ran)
-        pytest.fail(f"{path.name} at WORLD_SIZE = {size}:\n{exc}", pytrace=False)
+    """Run the notebook at every one of `sizes`, sharing a kernel between them: its start and the notebook's
+    imports (torch, course_lib, matplotlib: about 3 s of CPU) are paid once, not once per size. After a failure
+    the sizes after it still run, in a new kernel, and every failure is reported with its size."""
+    failures, remaining = [], list(sizes)
+    while remaining:
+        failed = _run_in_one_kernel(path, remaining)
+        if failed is None:
+            break
+        size, error = failed
+        failures.append(f"{path.name} at WORLD_SIZE = {size}:\n{type(error).__name__}: {error}")
+        remaining = remaining[remaining.index(size) + 1:]
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
 
 
 # One test per notebook: pytest-xdist hands each to a worker of its own (tests/conftest.py sends the longest first).
@@ -406,15 +431,20 @@ def test_the_python_inside_a_cell_magic_is_read():
     assert _planned("WORLD_SIZE = 4", "x = 1", "%%time\nG = WORLD_SIZE", "print(G)", "print(x)") == [0, 2, 3]
 
 
-def test_each_size_starts_from_no_names_and_a_failure_says_at_which_size(tmp_path):
+def test_each_size_starts_from_no_names_and_every_failure_says_at_which_size(tmp_path):
     notebook = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                  "language": "python"}})
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in (
         "WORLD_SIZE = 4",
         "assert 'kept' not in globals(), 'a name bound at the last size'\nkept = WORLD_SIZE",
-        "assert WORLD_SIZE != 3, 'this notebook breaks at 3 ranks'")]
-    path = tmp_path / "99_breaks_at_three.ipynb"
+        "assert WORLD_SIZE % 2 == 0 or WORLD_SIZE == 5, f'this notebook breaks at {WORLD_SIZE} ranks'",
+        "assert WORLD_SIZE != 8, 'and at 8'")]
+    path = tmp_path / "99_breaks_at_odd_sizes_and_eight.ipynb"
     nbformat.write(notebook, path)
     with pytest.raises(pytest.fail.Exception) as failed:
-        _run_at_world_sizes(path, sizes=(2, 3, 8))
-    assert "at WORLD_SIZE = 3:" in str(failed.value) and "this notebook breaks at 3 ranks" in str(failed.value)
+        _run_at_world_sizes(path, sizes=(8, 2, 3, 5))
+    report = str(failed.value)
+    assert "a name bound" not in report, report
+    assert report.count(" at WORLD_SIZE = ") == 2, report
+    assert "at WORLD_SIZE = 8:" in report and "and at 8" in report, report
+    assert "at WORLD_SIZE = 3:" in report and "this notebook breaks at 3 ranks" in report, report
