@@ -37,7 +37,7 @@ def _run(entry, sizes=(1, 3), case_timeout=2.0):
     return Result.of_cases(exercise, outcome.cases, hidden=True), outcome
 
 
-def _children():
+def _all_children():
     """Live child processes of this process (zombies included: they were not reaped)."""
     me, children = os.getpid(), []
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
@@ -48,6 +48,23 @@ def _children():
         if int(fields[1]) == me:
             children.append(int(stat.parent.name))
     return children
+
+
+_EARLIER_CHILDREN: set = set()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _children_before_this_module():
+    """The children this worker had before these tests: a session fixture of an earlier test on the same worker (the
+    browser tests' JupyterLab and Playwright driver) is not something a check left behind."""
+    _EARLIER_CHILDREN.update(_all_children())
+    yield
+    _EARLIER_CHILDREN.clear()
+
+
+def _children():
+    """Child processes started since this module began and still there (zombies included: they were not reaped)."""
+    return [pid for pid in _all_children() if pid not in _EARLIER_CHILDREN]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,6 +27,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------------------------------
 
 
+def _new_children(before) -> list[str]:
+    """This process's live children that were not among `before` (a list `_children_of` made): a session fixture
+    of an earlier test on this worker (the browser tests' JupyterLab and Playwright driver) is not a leftover."""
+    return [child for child in _children_of(os.getpid()) if child not in before]
+
+
 def _children_of(pid: int) -> list[str]:
     """Live child processes of `pid`, as 'pid: command line'.
 
@@ -297,6 +303,7 @@ def test_auto_backend_picks_gloo_when_gpus_are_fewer_than_ranks():
 @needs_proc
 def test_one_hundred_launches_leave_no_process_file_or_socket(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch puts its store and logs
+    children_before = _children_of(os.getpid())
     sockets_before = _socket_inodes()
     listening_before = _listening_inodes()
 
@@ -314,7 +321,7 @@ def test_one_hundred_launches_leave_no_process_file_or_socket(tmp_path, monkeypa
                 course_lib.launch(failing, world_size=4)
         else:
             assert course_lib.launch(fn, world_size=4) == [6] * 4
-    assert _children_of(os.getpid()) == []
+    assert _new_children(children_before) == []
     assert list(tmp_path.iterdir()) == []
     assert _socket_inodes() == sockets_before
     # the ranks (gone) listened for gloo connections; this process must not be listening on anything new
@@ -324,13 +331,14 @@ def test_one_hundred_launches_leave_no_process_file_or_socket(tmp_path, monkeypa
 @needs_proc
 def test_no_leftovers_after_a_timeout(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    children_before = _children_of(os.getpid())
 
     def stuck(rank, world_size):
         p2p.recv(torch.zeros(1), src=(rank + 1) % world_size)
 
     with pytest.raises(course_lib.LaunchTimeoutError):
         course_lib.launch(stuck, world_size=3, timeout=1)
-    assert _children_of(os.getpid()) == []
+    assert _new_children(children_before) == []
     assert list(tmp_path.iterdir()) == []
 
 
