@@ -372,11 +372,11 @@ def test_without_namespaces_a_closed_install_is_read_through_a_mirror_of_hard_li
     monkeypatch.setattr(sandbox, "_open_to_others", lambda path, need: path not in real and reachable(path, need))
     monkeypatch.setattr(sandbox, "_MIRROR", {})
     before = _course_lib_digest()
-    umask = os.umask(0o077)
     cheat = CHEATS["edits_course_lib_on_disk"].replace(
         "ring_scatter_reduce = ring_scatter_reduce",
         "import torch\n        REPORT.extend([course_lib.__file__, torch.__file__])\n"
         "        ring_scatter_reduce = ring_scatter_reduce")
+    umask = os.umask(0o077)
     try:
         grade = judge.grade_notebook(_notebook(tmp_path, cheat), user=user, isolation="users")
         mirror = sandbox._MIRROR["root"]

@@ -327,15 +327,16 @@ _FRESH_START = ("%reset -f\nimport sys\nif 'matplotlib.pyplot' in sys.modules:\n
 
 
 def _run_in_one_kernel(path, sizes):
-    """Run the notebook at each of `sizes` in turn in one kernel, until a cell fails. Returns None, or the size it
-    failed at and the error (nbclient's: the failing cell and its traceback, a cell's timeout, a dead kernel)."""
+    """Run the notebook at each of `sizes` in turn in one kernel, until something fails. Returns None, or
+    (position in `sizes`, whether it failed in the reset before that size, nbclient's error: the failing cell and
+    its traceback, a cell's timeout, a dead kernel)."""
     notebook = nbformat.v4.new_notebook(metadata=nbformat.read(path, as_version=4).metadata)
-    size_of_cell = []
-    for size in sizes:
-        cells = [nbformat.v4.new_code_cell(f"# WORLD_SIZE = {size} from here on\n" + _FRESH_START)]
-        cells += _cells_at(path, size)
+    owner = []                                     # per cell: (position of its size, is it the reset cell)
+    for position, size in enumerate(sizes):
+        notebook.cells.append(nbformat.v4.new_code_cell(f"# WORLD_SIZE = {size} from here on\n" + _FRESH_START))
+        cells = _cells_at(path, size)
         notebook.cells += cells
-        size_of_cell += [size] * len(cells)
+        owner += [(position, True)] + [(position, False)] * len(cells)
     running = []
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}},
@@ -343,24 +344,33 @@ def _run_in_one_kernel(path, sizes):
     try:
         execute_notebook(client)
     except Exception as exc:  # noqa: BLE001 - CellExecutionError, CellTimeoutError, DeadKernelError, ...
-        if not running:
-            raise
-        return size_of_cell[running[-1]], exc
+        return (*owner[running[-1]], exc) if running else (0, True, exc)
     return None
 
 
 def _run_at_world_sizes(path, sizes=SIZES):
     """Run the notebook at every one of `sizes`, sharing a kernel between them: its start and the notebook's
     imports (torch, course_lib, matplotlib: about 3 s of CPU) are paid once, not once per size. After a failure
-    the sizes after it still run, in a new kernel, and every failure is reported with its size."""
+    the sizes after it still run, in a new kernel, and every failure is reported with its size; a failure in the
+    reset between two sizes (or in a kernel's start) is reported as such, and the next size runs in a new kernel."""
     failures, remaining = [], list(sizes)
     while remaining:
         failed = _run_in_one_kernel(path, remaining)
         if failed is None:
             break
-        size, error = failed
-        failures.append(f"{path.name} at WORLD_SIZE = {size}:\n{type(error).__name__}: {error}")
-        remaining = remaining[remaining.index(size) + 1:]
+        position, in_reset, error = failed
+        text = f"{type(error).__name__}: {error}"
+        if in_reset and position > 0:
+            failures.append(f"{path.name} between WORLD_SIZE = {remaining[position - 1]} and {remaining[position]}, "
+                            f"in the reset or the kernel:\n{text}")
+            remaining = remaining[position:]
+        elif in_reset:
+            failures.append(f"{path.name}: the kernel for WORLD_SIZE = {', '.join(map(str, remaining))} failed "
+                            f"before the notebook's first cell:\n{text}")
+            break
+        else:
+            failures.append(f"{path.name} at WORLD_SIZE = {remaining[position]}:\n{text}")
+            remaining = remaining[position + 1:]
     if failures:
         pytest.fail("\n\n".join(failures), pytrace=False)
 
@@ -447,4 +457,20 @@ def test_each_size_starts_from_no_names_and_every_failure_says_at_which_size(tmp
     assert "a name bound" not in report, report
     assert report.count(" at WORLD_SIZE = ") == 2, report
     assert "at WORLD_SIZE = 8:" in report and "and at 8" in report, report
+    assert "at WORLD_SIZE = 3:" in report and "this notebook breaks at 3 ranks" in report, report
+
+
+def test_a_failure_in_the_reset_between_two_sizes_is_named_so_and_the_next_size_still_runs(tmp_path):
+    notebook = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                 "language": "python"}})
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in (
+        "WORLD_SIZE = 4",
+        "import sys\nif WORLD_SIZE == 2:\n    sys.modules['matplotlib.pyplot'] = None    # breaks the reset after it",
+        "assert WORLD_SIZE != 3, 'this notebook breaks at 3 ranks'")]
+    path = tmp_path / "99_breaks_the_reset.ipynb"
+    nbformat.write(notebook, path)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _run_at_world_sizes(path, sizes=(2, 3))
+    report = str(failed.value)
+    assert "between WORLD_SIZE = 2 and 3, in the reset" in report, report
     assert "at WORLD_SIZE = 3:" in report and "this notebook breaks at 3 ranks" in report, report
