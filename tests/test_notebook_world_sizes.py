@@ -37,6 +37,7 @@ and the fix is to say it in the notebook's names.
 from __future__ import annotations
 
 import ast
+import copy
 import pathlib
 import re
 import symtable
@@ -300,13 +301,15 @@ def world_size_plan(sources: list) -> set:
     return run
 
 
-def _cells_at(path, world_size) -> list:
-    """The notebook's code cells as run at `world_size`: the plan's cells, the rest reduced to their imports."""
+def _planned_cells(path):
+    """The notebook, and its code cells as the world-size runs execute them: the plan's cells, the rest reduced to
+    their imports, the exercise checks to a comment, all without stored outputs. The plan is the same at any size."""
     notebook = nbformat.read(path, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     runs = world_size_plan([cell.source for cell in code if not _is_exercise_check(cell)])
     position = 0
     for cell in code:
+        cell.execution_count, cell.outputs = None, []     # run from blank, not from the stored run
         if _is_exercise_check(cell):
             cell.source = "# exercise check: independent of WORLD_SIZE, run by nbval (see the module docstring)"
             continue
@@ -314,10 +317,7 @@ def _cells_at(path, world_size) -> list:
             cell.source = "# independent of WORLD_SIZE: run by nbval at 4 ranks (see the module docstring)\n" + \
                 _imports_of(cell.source)
         position += 1
-        cell.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", cell.source)
-    for cell in code:
-        cell.execution_count, cell.outputs = None, []     # run from blank, not from the stored run
-    return code
+    return notebook, code
 
 
 # Between two world sizes the kernel forgets every name the notebook bound, as a fresh kernel would (a cell that reads
@@ -326,17 +326,20 @@ _FRESH_START = ("%reset -f\nimport sys\nif 'matplotlib.pyplot' in sys.modules:\n
                 "    sys.modules['matplotlib.pyplot'].close('all')\ndel sys")
 
 
-def _run_in_one_kernel(path, sizes):
-    """Run the notebook at each of `sizes` in turn in one kernel, until something fails. Returns None, or
-    (position in `sizes`, whether it failed in the reset before that size, nbclient's error: the failing cell and
-    its traceback, a cell's timeout, a dead kernel)."""
-    notebook = nbformat.v4.new_notebook(metadata=nbformat.read(path, as_version=4).metadata)
+def _run_in_one_kernel(planned, sizes):
+    """Run the notebook (`_planned_cells`) at each of `sizes` in turn in one kernel, until something fails. Returns
+    None, or (position in `sizes`, whether it failed in the reset before that size, nbclient's error: the failing
+    cell and its traceback, a cell's timeout, a dead kernel)."""
+    original, code = planned
+    notebook = nbformat.v4.new_notebook(metadata=original.metadata)
     owner = []                                     # per cell: (position of its size, is it the reset cell)
     for position, size in enumerate(sizes):
         notebook.cells.append(nbformat.v4.new_code_cell(f"# WORLD_SIZE = {size} from here on\n" + _FRESH_START))
-        cells = _cells_at(path, size)
-        notebook.cells += cells
-        owner += [(position, True)] + [(position, False)] * len(cells)
+        for cell in code:
+            cell = copy.deepcopy(cell)
+            cell.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {size}", cell.source)
+            notebook.cells.append(cell)
+        owner += [(position, True)] + [(position, False)] * len(code)
     running = []
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}},
@@ -353,9 +356,10 @@ def _run_at_world_sizes(path, sizes=SIZES):
     imports (torch, course_lib, matplotlib: about 3 s of CPU) are paid once, not once per size. After a failure
     the sizes after it still run, in a new kernel, and every failure is reported with its size; a failure in the
     reset between two sizes (or in a kernel's start) is reported as such, and the next size runs in a new kernel."""
+    planned = _planned_cells(path)
     failures, remaining = [], list(sizes)
     while remaining:
-        failed = _run_in_one_kernel(path, remaining)
+        failed = _run_in_one_kernel(planned, remaining)
         if failed is None:
             break
         position, in_reset, error = failed
@@ -441,16 +445,22 @@ def test_the_python_inside_a_cell_magic_is_read():
     assert _planned("WORLD_SIZE = 4", "x = 1", "%%time\nG = WORLD_SIZE", "print(G)", "print(x)") == [0, 2, 3]
 
 
-def test_each_size_starts_from_no_names_and_every_failure_says_at_which_size(tmp_path):
+def _notebook_file(path, *sources):
+    """A notebook of these code cells at `path`, for the python3 kernel."""
     notebook = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                  "language": "python"}})
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in (
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_each_size_starts_from_no_names_and_every_failure_says_at_which_size(tmp_path):
+    path = _notebook_file(
+        tmp_path / "99_breaks_at_odd_sizes_and_eight.ipynb",
         "WORLD_SIZE = 4",
         "assert 'kept' not in globals(), 'a name bound at the last size'\nkept = WORLD_SIZE",
         "assert WORLD_SIZE % 2 == 0 or WORLD_SIZE == 5, f'this notebook breaks at {WORLD_SIZE} ranks'",
-        "assert WORLD_SIZE != 8, 'and at 8'")]
-    path = tmp_path / "99_breaks_at_odd_sizes_and_eight.ipynb"
-    nbformat.write(notebook, path)
+        "assert WORLD_SIZE != 8, 'and at 8'")
     with pytest.raises(pytest.fail.Exception) as failed:
         _run_at_world_sizes(path, sizes=(8, 2, 3, 5))
     report = str(failed.value)
@@ -461,14 +471,11 @@ def test_each_size_starts_from_no_names_and_every_failure_says_at_which_size(tmp
 
 
 def test_a_failure_in_the_reset_between_two_sizes_is_named_so_and_the_next_size_still_runs(tmp_path):
-    notebook = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                 "language": "python"}})
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in (
+    path = _notebook_file(
+        tmp_path / "99_breaks_the_reset.ipynb",
         "WORLD_SIZE = 4",
         "import sys\nif WORLD_SIZE == 2:\n    sys.modules['matplotlib.pyplot'] = None    # breaks the reset after it",
-        "assert WORLD_SIZE != 3, 'this notebook breaks at 3 ranks'")]
-    path = tmp_path / "99_breaks_the_reset.ipynb"
-    nbformat.write(notebook, path)
+        "assert WORLD_SIZE != 3, 'this notebook breaks at 3 ranks'")
     with pytest.raises(pytest.fail.Exception) as failed:
         _run_at_world_sizes(path, sizes=(2, 3))
     report = str(failed.value)
