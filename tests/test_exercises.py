@@ -160,13 +160,103 @@ def _counted_drive(fn, sizes, case_timeout):
 
 def test_a_hang_is_retried_with_more_time_once_per_check_once_it_proved_real():
     """The first hang runs again alone with RETRY_FACTOR times the time; once that run hangs too, the function is
-    known to hang, and the next world size's hang counts at once (a deadlocked ring: one timeout per world size)."""
-    outcome, launches = _counted_drive(pb.rs_deadlock, sizes=(2, 3, 4), case_timeout=1.0)
+    known to hang, and the next world size's hang counts at once (an endless loop: one timeout per world size)."""
+    outcome, launches = _counted_drive(pb.rs_endless_loop, sizes=(2, 3, 4), case_timeout=1.0)
     longer = 1.0 * runner.RETRY_FACTOR
     assert [(g, timeout) for g, _, timeout in launches] == [(2, 1.0), (2, longer), (3, 1.0), (4, 1.0)], launches
     failed = [c for c in outcome.cases if c.status == "failed"]
     assert [c.case.world_size for c in failed] == [2, 3, 4]
-    assert all("deadlock" in c.problems[-1].message for c in failed), [c.problems[-1].message for c in failed]
+    assert all("endless loop" in c.problems[-1].message for c in failed), [c.problems[-1].message for c in failed]
+
+
+def _send_first_ring(tensor):
+    """Every rank sends to its right neighbour with a blocking send, then receives: gloo's send waits for its
+    receive, so the ranks wait for each other in a circle."""
+    rank, G = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    chunks = torch.tensor_split(tensor, G)
+    for s in range(G - 1):
+        buffer = torch.empty_like(chunks[(rank - s - 1) % G])
+        torch.distributed.send(chunks[(rank - s) % G], (rank + 1) % G)
+        torch.distributed.recv(buffer, (rank - 1) % G)
+        chunks[(rank - s - 1) % G].add_(buffer)
+    return (rank + 1) % G
+
+
+def _one_send_short(tensor):
+    """Rank 1 returns before its last send, and rank 0's receive waits for it; the other ranks are correct."""
+    rank, G = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if rank == 1 and G > 1:
+        return (rank + 1) % G
+    return pb.rs_isend_recv(tensor)
+
+
+@pytest.mark.parametrize("fn, expect", [
+    (pb.rs_deadlock, "ranks 0 and 1 were both blocked in recv from each other: deadlock"),
+    (_send_first_ring, "ranks 0 and 1 were both blocked in send to each other: deadlock"),
+    (_one_send_short, "but rank 1 had already returned from ring_scatter_reduce: a recv with no matching send"),
+], ids=["recv_first", "send_first", "a_rank_returned"])
+def test_a_certain_deadlock_is_found_at_once_not_after_the_timeout(fn, expect):
+    """With a case timeout of a minute, a deadlock at each world size is still found in about a second: no retry,
+    and the explanation names the ranks and says the check stopped the case itself. Without the watchdogs' rule
+    the first case alone would wait 60 s, and then its retry 240 s."""
+    started = time.monotonic()
+    outcome, launches = _counted_drive(fn, sizes=(2, 3), case_timeout=60.0)
+    assert [(g, timeout) for g, _, timeout in launches] == [(2, 60.0), (3, 60.0)], launches
+    failed = [c for c in outcome.cases if c.status == "failed"]
+    assert [c.case.world_size for c in failed] == [2, 3]
+    first = failed[0].problems[-1].message
+    assert expect in first and "stopped the case at once, without waiting its 60 s" in first, first
+    assert [c.status for c in outcome.cases if c.case.world_size == 2][1:] == ["not run"] * 5
+    assert "deadlocked, and the others would too" in outcome.cases[1].problems[0].message
+    assert time.monotonic() - started < 45
+    assert _children() == []
+
+
+def _blocked(entry, match, posted=(), at=1.0):
+    return {"finished": False, "entry": entry, "match": list(match), "posted": [list(p) for p in posted], "at": at}
+
+
+def _finished(posted=()):
+    return {"finished": True, "posted": [list(p) for p in posted]}
+
+
+# Two ranks, each blocked in its first recv from the other, nothing sent: the textbook deadlock.
+_RECV_RECV = [_blocked(1, ("recv", 1, 0, 1), [("recv", 1, 0, 1)]), _blocked(1, ("recv", 0, 0, 1), [("recv", 0, 0, 1)])]
+
+
+@pytest.mark.parametrize("before, now, certain", [
+    (_RECV_RECV, [dict(s, at=2.0) for s in _RECV_RECV], True),
+    # rank 1 had posted an isend to rank 0 before it blocked: rank 0's receive can complete
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0),
+                  _blocked(1, ("recv", 0, 0, 1), [("recv", 0, 0, 1), ("send", 0, 0, 1)], at=2.0)], False),
+    # the same recv-recv, but rank 1's second state is no newer than the first read: it may have moved since
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0), _RECV_RECV[1]], False),
+    # rank 1 is in another blocking call than at the first read
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0), dict(_RECV_RECV[1], entry=2, at=2.0)], False),
+    # rank 1 is running code (not blocked), or has not published yet
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0), {"finished": False, "entry": None, "at": 2.0}], False),
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0), None], False),
+    # a receive from any source somewhere: which send meets it is unknown
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0), dict(_RECV_RECV[1], at=2.0, unmatched=True)], False),
+    # rank 1 returned having sent nothing to rank 0, which waits for it: certain
+    ([_RECV_RECV[0], _finished()], [dict(_RECV_RECV[0], at=2.0), _finished()], True),
+    # ... but it finished only after the first read: the two reads are not one moment
+    (_RECV_RECV, [dict(_RECV_RECV[0], at=2.0), _finished()], False),
+    # rank 1 returned after sending what rank 0 waits for (the message is on its way)
+    ([_RECV_RECV[0], _finished([("send", 0, 0, 1)])], [dict(_RECV_RECV[0], at=2.0), _finished([("send", 0, 0, 1)])],
+     False),
+    # a blocking send that its receiver has posted the receive for completes (gloo moves the data)
+    ([_blocked(3, ("send", 1, 0, 2), [("send", 1, 0, 2)]), _blocked(4, ("recv", 0, 7, 1), [("recv", 0, 0, 2)])],
+     [_blocked(3, ("send", 1, 0, 2), [("send", 1, 0, 2)], at=2.0),
+      _blocked(4, ("recv", 0, 7, 1), [("recv", 0, 0, 2)], at=2.0)], False),
+    # ... but one that it has not (rank 1 took one message with tag 0 and waits on tag 7): certain
+    ([_blocked(3, ("send", 1, 0, 2), [("send", 1, 0, 2)]), _blocked(4, ("recv", 0, 7, 1), [("recv", 0, 0, 1)])],
+     [_blocked(3, ("send", 1, 0, 2), [("send", 1, 0, 2)], at=2.0),
+      _blocked(4, ("recv", 0, 7, 1), [("recv", 0, 0, 1)], at=2.0)], True),
+], ids=["recv_recv", "message_on_its_way", "stale_state", "moved_on", "running", "no_state", "any_source",
+        "peer_returned", "returned_between_reads", "returned_after_sending", "send_met", "send_unmet"])
+def test_the_deadlock_rule_is_certain_only_when_no_call_can_ever_complete(before, now, certain):
+    assert runner.certain_deadlock(before, now, read_before=1.5) is certain
 
 
 def test_a_case_that_only_the_machine_made_slow_passes_on_its_retry_and_keeps_the_retry_for_later_sizes(tmp_path):

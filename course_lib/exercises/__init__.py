@@ -88,7 +88,7 @@ executed) or a Python function ``lambda G, N: ...``.
 An answer not written yet (a function that raises NotImplementedError, as the student notebooks
 have it, or ``...``) scores 0 with "not done yet", never an error. Whatever the learner's code does
 (raise, deadlock, loop forever, print megabytes), a check ends within about 60 s with feedback, and
-leaves no process behind.
+leaves no process behind; a deadlock is found and explained about a second into its case.
 """
 
 from __future__ import annotations

@@ -107,13 +107,15 @@ def _cycle(states) -> list[int] | None:
     return None
 
 
-def explain_stuck(states: dict, function: str, timeout: float) -> str:
-    """Why a case did not finish within `timeout` seconds.
+def explain_stuck(states: dict, function: str, timeout: float, certain: bool = False) -> str:
+    """Why a case did not finish within `timeout` seconds, or (`certain`) why it never could.
 
     Args:
         states: rank -> {'kind': 'blocked' | 'running' | 'finished' | 'unknown', 'call': 'recv' | 'send' |
             'irecv.wait' | 'isend.wait' | None, 'peer': int | None, 'where': learner line, 'printed': int}.
         function: the learner's function's name.
+        certain: the watchdogs found the deadlock (every rank blocked in a call whose partner nobody had posted)
+            and stopped the case at once, instead of waiting `timeout` seconds.
     """
     running = sorted(r for r, s in states.items() if s["kind"] == "running")
     finished = {r for r, s in states.items() if s["kind"] == "finished"}
@@ -155,9 +157,16 @@ def explain_stuck(states: dict, function: str, timeout: float) -> str:
                 headline = (f"the ranks {order} each waited for the next one: deadlock. A blocking send waits "
                             "until its receiver receives; post sends with isend, or order the calls so someone "
                             "receives first.")
+    if headline is None and certain:
+        headline = ("deadlock: every rank was blocked in a send or recv whose partner call no rank would ever make. "
+                    "Check that every send has a matching recv (same peer, same tag, in the same order) and vice "
+                    "versa.")
     if headline is None:
         headline = (f"the case did not finish within {timeout:g} s: a rank waited for a message that never came. "
                     "Check that every send has a matching recv (same peer, same size) and vice versa.")
+    if certain:
+        headline += (" (The check saw that no rank could ever move again and stopped the case at once, without "
+                     f"waiting its {timeout:g} s.)")
     lines = [headline, "What each rank was doing:"]
     for rank in sorted(states):
         state = states[rank]

@@ -16,15 +16,20 @@ What can go wrong, and what happens:
 
 * an exception on some rank: that rank writes its error and stops; `launch` stops the others at
   once. The case fails with the exception; the remaining cases of that world size run in a new launch.
-* a deadlock or an endless loop: a watchdog thread in every rank notices that the case has run for
+* a deadlock: from DEADLOCK_LOOK_AFTER seconds into a case, each rank's watchdog publishes what its rank
+  is blocked in and reads what the others published. When every rank has finished or is blocked in a
+  send or receive whose partner call was never posted (`certain_deadlock`), no rank can ever move: the
+  watchdogs write what each rank was blocked in and end the ranks at once. The case fails with an
+  explanation read from all ranks' reports, and the remaining cases of that world size are skipped.
+* an endless loop, or a hang the rule cannot be sure of (a receive from any source, a rank blocked in
+  something that is not a send or receive): the watchdog notices that the case has run for
   `case_timeout` seconds, writes what the rank is blocked in (or which line of the learner's code it
   is running) and ends the rank. The first such case runs once more, alone, with RETRY_FACTOR times
-  the time (a busy machine is not a deadlock). If it hangs again it fails with an explanation read from
-  all ranks' reports, and the remaining cases of that world size are skipped (each would cost another
-  timeout). Once a hang has survived its longer run, the function is known to hang, and a hang at a
-  later world size counts at once: a deadlocked ring then costs one timeout per world size, not five,
-  and the check reaches every world size within its budget. While retries turn out to be the machine's
-  slowness, every world size keeps its retry.
+  the time (a busy machine is not an endless loop). If it hangs again it fails in the same way. Once a
+  hang has survived its longer run (or a deadlock was found), the function is known to hang, and a hang
+  at a later world size counts at once: an endless loop then costs one timeout per world size, not
+  five, and the check reaches every world size within its budget. While retries turn out to be the
+  machine's slowness, every world size keeps its retry.
 * a forbidden call (a built-in collective, course_lib's own implementation): that case scores 0.
 * NotImplementedError: the exercise is "not done yet"; nothing else runs.
 * a check that runs out of its overall time budget marks the cases it did not reach as not run.
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import shutil
@@ -55,6 +61,7 @@ __all__ = ["CaseResult", "Outcome", "RankBatch", "run_function", "run_batch", "d
            "RETRY_FACTOR"]
 
 CASE_TIMEOUT = 4.0   # seconds one case may take on the ranks (a correct one takes milliseconds)
+DEADLOCK_LOOK_AFTER = 0.25   # seconds into a case after which the watchdogs look for a certain deadlock
 RETRY_FACTOR = 4     # a case that hung runs once more, alone, with this many times the time, before it counts
 BUDGET = 45.0        # seconds a whole check may take; cases not reached by then are not run
 _STUCK_EXIT = 3
@@ -129,38 +136,153 @@ class _CaseStopped(BaseException):
 
 
 class _Watchdog(threading.Thread):
-    """Ends this rank when a case runs too long, after writing where the rank was."""
+    """Ends this rank when a case runs too long, or at once when the case is deadlocked, after writing where the
+    rank was.
 
-    def __init__(self, workdir, rank, timeout):
+    From `DEADLOCK_LOOK_AFTER` seconds into a case, the watchdog also publishes what its rank is doing (a small
+    file, `_publish`) and reads what every rank published: when `certain_deadlock` finds that no rank can ever move
+    again, it leaves a marker that every rank's watchdog acts on, and the case ends without waiting for its timeout.
+    """
+
+    def __init__(self, workdir, rank, timeout, world_size=1):
         super().__init__(daemon=True, name="course_lib-exercise-watchdog")
-        self.workdir, self.rank, self.timeout = workdir, rank, timeout
+        self.workdir, self.rank, self.timeout, self.world_size = workdir, rank, timeout, world_size
         self.main = threading.get_ident()
         self.case, self.started, self.tracer, self.in_learner = None, 0.0, None, False
+        self.lock = threading.Lock()       # a case's end and a publication of its state never interleave
         self.start()
 
     def begin(self, index, tracer):
-        self.tracer, self.started, self.case = tracer, time.monotonic(), index
+        with self.lock:
+            self.tracer, self.started, self.case = tracer, time.monotonic(), index
 
     def end(self):
-        self.case = None
+        with self.lock:
+            if self.world_size > 1 and self.case is not None:
+                # Another rank may be waiting for this one: tell it this rank has left the case, and what it posted.
+                _write_state(self.workdir, self.case, self.rank, {"finished": True, "posted": _posted(self.tracer),
+                                                                  "unmatched": self.tracer.unmatched})
+            self.case = None
 
     def run(self):
+        before, read_before = None, 0.0
         while True:
             time.sleep(0.05)
             case = self.case
-            if case is None or time.monotonic() - self.started < self.timeout:
+            if case is None:
+                before = None
                 continue
-            frame = sys._current_frames().get(self.main)
-            tracer = self.tracer
-            blocked = tracer.blocked if tracer is not None else None
-            record = {"status": "stuck", "in_learner": self.in_learner,
-                      "call": blocked[0] if blocked else None, "peer": blocked[1] if blocked else None,
-                      "where": (blocked[3] if blocked else "") or (learner_frame(frame) if frame is not None else ""),
-                      "messages": list(tracer.messages) if tracer is not None else [],
-                      "printed": (tracer.printed.size, tracer.printed.text) if tracer is not None else (0, "")}
-            _save(self.workdir, case, self.rank, record, suffix="stuck")
-            time.sleep(0.5)  # let the other ranks' watchdogs write theirs before launch stops everyone
-            os._exit(_STUCK_EXIT)
+            elapsed = time.monotonic() - self.started
+            if elapsed >= self.timeout:
+                self._stop(case, deadlock=False)
+            if elapsed < DEADLOCK_LOOK_AFTER:
+                continue
+            if os.path.exists(_path(self.workdir, case, "all", "deadlock")):
+                self._stop(case, deadlock=True)
+            with self.lock:
+                if self.case != case:
+                    continue
+                self._publish(case)
+            now = [_read_state(self.workdir, case, r) for r in range(self.world_size)]
+            if before is not None and certain_deadlock(before, now, read_before):
+                open(_path(self.workdir, case, "all", "deadlock"), "w").close()
+                self._stop(case, deadlock=True)
+            before, read_before = now, time.monotonic()
+
+    def _publish(self, case):
+        """Write what this rank is doing: blocked in which call (and which call of the other side would meet it),
+        and what it has posted. Read twice with the same entry number, the rank was in that call all the while."""
+        tracer = self.tracer
+        blocked = tracer.blocked
+        at = time.monotonic()          # a moment at which `blocked` held (it holds until the second read)
+        posted = _posted(tracer)       # constant while the rank is blocked
+        if blocked is None or blocked is not tracer.blocked or not self.in_learner:
+            state = {"finished": False, "entry": None, "at": at}
+        else:
+            state = {"finished": False, "entry": blocked[4], "match": blocked[5], "posted": posted,
+                     "unmatched": tracer.unmatched, "at": at}
+        _write_state(self.workdir, case, self.rank, state)
+
+    def _stop(self, case, deadlock):
+        frame = sys._current_frames().get(self.main)
+        tracer = self.tracer
+        blocked = tracer.blocked if tracer is not None else None
+        record = {"status": "stuck", "in_learner": self.in_learner, "deadlock": deadlock,
+                  "call": blocked[0] if blocked else None, "peer": blocked[1] if blocked else None,
+                  "where": (blocked[3] if blocked else "") or (learner_frame(frame) if frame is not None else ""),
+                  "messages": list(tracer.messages) if tracer is not None else [],
+                  "printed": (tracer.printed.size, tracer.printed.text) if tracer is not None else (0, "")}
+        _save(self.workdir, case, self.rank, record, suffix="stuck")
+        time.sleep(0.5)  # let the other ranks' watchdogs write theirs before launch stops everyone
+        os._exit(_STUCK_EXIT)
+
+
+def _posted(tracer):
+    try:
+        return [[d, p, t, c] for (d, p, t), c in list(tracer.posted.items())]
+    except RuntimeError:       # the rank posted a call while we copied: it is not blocked, so nothing is lost
+        return []
+
+
+def _write_state(workdir, case, rank, state):
+    path = _path(workdir, case, rank, "state")
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_state(workdir, case, rank):
+    try:
+        with open(_path(workdir, case, rank, "state")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def certain_deadlock(before: list, now: list, read_before: float) -> bool:
+    """Whether no rank of a case can ever move again, from two reads of every rank's published state.
+
+    A rank's state is ``{"finished": True, "posted": ...}`` once it has left the case, or, while it runs,
+    ``{"finished": False, "entry": n, "match": [direction, peer, tag, k], "posted": ..., "at": t}``: blocked in its
+    n-th blocking call since the case began (None: not blocked), which is its k-th call of `direction` ("send" or
+    "recv") to or from `peer` with `tag`; ``posted`` lists [direction, peer, tag, count] of every call it made.
+
+    **A consistent moment.** `before` was read by ``read_before``; `now` later. A rank that shows the same entry in
+    both, with its second state written after ``read_before``, was in that call the whole time in between, so at
+    ``read_before`` every rank was where the two reads say (a rank that has finished stays finished).
+
+    **The rule.** gloo pairs the k-th send from rank s to rank r with tag t with r's k-th receive from s with tag t.
+    A blocked receive completes only once its sender posts that send; a blocked send (gloo's send waits for its
+    receive; measured: a 1-element send returns only when the receiver posts, 1.5 s later) only once its receiver
+    posts that receive. So if, at one moment, every rank has finished or is blocked, and no blocked call's partner
+    has been posted, no call can complete and no rank can post anything ever again: a certain deadlock.
+
+    Anything else (a rank running code, a receive from any source, a call on a subgroup, a state missing) is not
+    certain, and the case's timeout decides.
+    """
+    if not now or len(before) != len(now) or any(s is None for s in before + now):
+        return False
+    for was, state in zip(before, now):
+        if state.get("unmatched"):
+            return False
+        if state["finished"]:
+            if not was["finished"]:
+                return False
+            continue
+        if (was["finished"] or state.get("match") is None or was.get("entry") is None
+                or was["entry"] != state["entry"] or not state["at"] > read_before):
+            return False
+    posted = [{(d, p, t): c for d, p, t, c in state["posted"]} for state in now]
+    for rank, state in enumerate(now):
+        if state["finished"]:
+            continue
+        direction, peer, tag, k = state["match"]
+        if not 0 <= peer < len(now) or peer == rank:
+            return False
+        partner = "recv" if direction == "send" else "send"
+        if posted[peer].get((partner, rank, tag), 0) >= k:
+            return False          # its partner is posted: this call can complete
+    return True
 
 
 def _path(workdir, index, rank, suffix="done"):
@@ -221,7 +343,7 @@ def _rank_main(rank, world_size, exercise_name, fn, cases, inputs, first_index, 
     # The cases are tiny, and a forked rank that uses OpenMP threads after the notebook process did
     # can hang in its first parallel region (libgomp is not fork-safe): one thread each.
     torch.set_num_threads(1)
-    watchdog = _Watchdog(workdir, rank, case_timeout)
+    watchdog = _Watchdog(workdir, rank, case_timeout, world_size)
     namespaces = [getattr(fn, "__globals__", None)]
     for offset, case in enumerate(cases):
         index = first_index + offset
@@ -368,9 +490,10 @@ def _failed_case(exercise, case, records, stuck, launch_error, case_timeout):
             except Exception:  # noqa: BLE001 - a partial trace the judge cannot read adds nothing
                 pass
         problems.sort(key=lambda p: p.order)
-        problems.append(Problem(feedback.explain_stuck(_states_of(records, stuck, G), function, case_timeout),
-                                order=(99,)))
-        follow = "skip"
+        certain = any(s is not None and s.get("deadlock") for s in stuck)
+        problems.append(Problem(feedback.explain_stuck(_states_of(records, stuck, G), function, case_timeout,
+                                                       certain=certain), order=(99,)))
+        follow = "deadlock" if certain else "skip"
     else:
         text = launch_error if launch_error is not None else "the ranks stopped without a report"
         problems.append(Problem(f"the ranks failed: {text}", order=(-1,)))
@@ -480,7 +603,13 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
                 result, follow, everyone = evaluate(index, batch, case_timeout)
                 if result is None:
                     return Outcome([], not_done=follow)
-                if follow == "skip" and not retried:
+                certain = follow == "deadlock"
+                if certain:
+                    # Found, not guessed: every rank waited for a call no rank would ever make. No busy machine
+                    # does that, so no retry, and later world sizes' hangs count at once.
+                    hang_confirmed = retried = True
+                    follow = "skip"
+                elif follow == "skip" and not retried:
                     # A hang may be a busy machine rather than a deadlock: the case runs again alone with more
                     # time before it counts (a true deadlock costs that time once per check, not per world size).
                     retried = True
@@ -489,6 +618,8 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
                                                                    longer), longer)
                     if result is None:
                         return Outcome([], not_done=follow)
+                    certain = follow == "deadlock"
+                    follow = "skip" if certain else follow
                     hang_confirmed = follow == "skip"
                     if follow != "skip":
                         everyone = False      # go on with the rest of this world size in a new launch
@@ -499,8 +630,9 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
                 if follow == "skip":
                     for later in rest:
                         results[later] = CaseResult(cases[later], "not run", [Problem(
-                            f"not run: an earlier case with G={world_size} hung, and each would cost "
-                            f"{case_timeout:g} s more.")])
+                            f"not run: an earlier case with G={world_size} deadlocked, and the others would too."
+                            if certain else f"not run: an earlier case with G={world_size} hung, and each would "
+                            f"cost {case_timeout:g} s more.")])
                 else:
                     next_todo = rest
                 break

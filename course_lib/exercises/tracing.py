@@ -25,6 +25,7 @@ Everything is undone when the tracer exits. Outside a launched rank nothing here
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import linecache
@@ -199,8 +200,8 @@ class _TracedWork:
     """Stands in for the Work object an isend/irecv returns: `wait()` sets the status line, and an
     irecv's message is copied from its landing buffer into the learner's tensor once it has arrived."""
 
-    def __init__(self, work, tracer, call, peer, description, landing=None, tensor=None, event=None):
-        self._work, self._tracer, self._blocked = work, tracer, (call, peer, description)
+    def __init__(self, work, tracer, call, peer, description, landing=None, tensor=None, event=None, match=None):
+        self._work, self._tracer, self._blocked = work, tracer, (call, peer, description, match)
         self._landing, self._tensor = landing, tensor
         self._event = event
 
@@ -257,18 +258,27 @@ class Tracer:
         self.namespaces = [ns for ns in namespaces if isinstance(ns, dict)]
         self.messages: list[Message] = []
         self.printed = CappedWriter(print_limit)
-        # (call, peer, description, learner line) of the call this rank is blocked in, read by the watchdog
+        # (call, peer, description, learner line, entry number, match) of the call this rank is blocked in, read by
+        # the watchdog as one tuple (one assignment, so another thread never sees half of it). `match` is
+        # ("send" | "recv", peer, tag, k): this is the k-th call of its direction to or from `peer` with `tag`,
+        # the k-th of the pair that gloo matches with the k-th of the other side (None where that cannot be said).
         self.blocked: tuple | None = None
+        self._entries = 0
+        # ("send" | "recv", peer, tag) -> how many such calls this rank has posted (made, blocking or not)
+        self.posted: collections.Counter = collections.Counter()
+        # a receive from any source or a call on a subgroup: which send meets which receive is not known
+        self.unmatched = False
         self._undo: list = []
         self._exit_stack = None
 
     # -- status ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def blocked_in(self, call: str, peer, description: str):
+    def blocked_in(self, call: str, peer, description: str, match=None):
         """Mark this rank as blocked in `call` for the block. If the call fails (a peer died, the case
         is being stopped), the mark stays: it is what the watchdog reports."""
-        self.blocked = (call, peer, description, learner_frame(sys._getframe(2)))
+        self._entries += 1
+        self.blocked = (call, peer, description, learner_frame(sys._getframe(2)), self._entries, match)
         if _rankstate.is_active():
             _rankstate.set_blocked(description)
         yield
@@ -295,6 +305,17 @@ class Tracer:
             return None
         return torch.zeros(room, dtype=tensor.dtype, device=tensor.device)
 
+    def _post(self, direction: str, peer, tag, arguments):
+        """Count a send or receive as posted; returns its `match` (see `blocked`), or None when a receive from any
+        source or a subgroup makes the pairing of sends with receives unknowable."""
+        group = arguments.get("group")
+        if (not isinstance(peer, int) or isinstance(peer, bool) or not isinstance(tag, int)
+                or (group is not None and group is not dist.GroupMember.WORLD)):
+            self.unmatched = True
+            return None
+        self.posted[(direction, peer, tag)] += 1
+        return direction, peer, tag, self.posted[(direction, peer, tag)]
+
     def _check_allowed(self):
         name = _course_lib_function(self.forbidden_modules)
         if name is not None:
@@ -318,6 +339,7 @@ class Tracer:
             description = (f"{name}({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''}"
                            + (f", tag={tag}" if tag else "") + ")")
             nbytes = numel * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+            match = tracer._post("send" if name in ("send", "isend") else "recv", peer, tag, bound.arguments)
             if name in ("send", "isend"):
                 data = tensor.detach().clone().cpu() if isinstance(tensor, torch.Tensor) and tracer.keep_data else None
                 tracer.messages.append(Message(name, peer, numel, data, tag))
@@ -325,13 +347,13 @@ class Tracer:
             if name != "recv":            # a blocking receive is logged once it knows its sender
                 tracer.events.append((name, peer, nbytes, tag))
             if name == "send":
-                with tracer.blocked_in(name, peer, description):
+                with tracer.blocked_in(name, peer, description, match):
                     return original(*bound.args, **bound.kwargs)
             landing = tracer._landing(tensor) if name in ("recv", "irecv") else None
             if landing is not None:
                 bound.arguments["tensor"] = landing
             if name == "recv":
-                with tracer.blocked_in(name, peer, description):
+                with tracer.blocked_in(name, peer, description, match):
                     sender = original(*bound.args, **bound.kwargs)
                 _deliver(landing, tensor)
                 tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
@@ -344,7 +366,7 @@ class Tracer:
                 return work
             return _TracedWork(work, tracer, f"{name}.wait", peer,
                                f"{name}.wait({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''})",
-                               landing=landing, tensor=tensor, event=event)
+                               landing=landing, tensor=tensor, event=event, match=match)
 
         wrapper.__name__ = wrapper.__qualname__ = name
         wrapper.__doc__ = original.__doc__

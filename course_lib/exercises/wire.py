@@ -222,7 +222,7 @@ def clean_record(raw, observed=()) -> dict | None:
             call = raw.get("call")
             if call is not None and call not in _STUCK_CALLS:
                 return None
-            record.update(in_learner=bool(raw.get("in_learner")), call=call,
+            record.update(in_learner=bool(raw.get("in_learner")), deadlock=raw.get("deadlock") is True, call=call,
                           peer=_int(raw.get("peer"), allow_none=True), where=_text(raw.get("where", "")))
         return record
     except (WireError, TypeError, ValueError, AttributeError, RuntimeError):
