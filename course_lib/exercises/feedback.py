@@ -114,8 +114,8 @@ def explain_stuck(states: dict, function: str, timeout: float, certain: bool = F
         states: rank -> {'kind': 'blocked' | 'running' | 'finished' | 'unknown', 'call': 'recv' | 'send' |
             'irecv.wait' | 'isend.wait' | None, 'peer': int | None, 'where': learner line, 'printed': int}.
         function: the learner's function's name.
-        certain: the watchdogs found the deadlock (every rank blocked in a call whose partner nobody had posted)
-            and stopped the case at once, instead of waiting `timeout` seconds.
+        certain: the watchdogs found the deadlock (every rank had returned, or was blocked in a send or recv whose
+            matching call no rank had made) and stopped the case at once, instead of waiting `timeout` seconds.
     """
     running = sorted(r for r, s in states.items() if s["kind"] == "running")
     finished = {r for r, s in states.items() if s["kind"] == "finished"}
@@ -148,6 +148,11 @@ def explain_stuck(states: dict, function: str, timeout: float, certain: bool = F
             elif kinds == {"send"}:
                 headline = (f"ranks {a} and {b} were both blocked in send to each other: deadlock. A blocking send "
                             "waits until the other side receives: let one of them receive first, or use isend.")
+            elif certain:        # (after a timeout the transfer might only have been slow)
+                sender = a if _direction(blocked[a]["call"]) == "send" else b
+                headline = (f"rank {sender} was sending to rank {a + b - sender} while rank {a + b - sender} was "
+                            f"receiving from rank {sender}, but the two calls do not match: a different tag, or one "
+                            "side made more calls to the other than the other made back.")
         elif cycle:
             order = " -> ".join(f"rank {r}" for r in cycle + cycle[:1])
             if all(_direction(blocked[r]["call"]) == "recv" for r in cycle):
@@ -158,15 +163,14 @@ def explain_stuck(states: dict, function: str, timeout: float, certain: bool = F
                             "until its receiver receives; post sends with isend, or order the calls so someone "
                             "receives first.")
     if headline is None and certain:
-        headline = ("deadlock: every rank was blocked in a send or recv whose partner call no rank would ever make. "
-                    "Check that every send has a matching recv (same peer, same tag, in the same order) and vice "
-                    "versa.")
+        headline = ("deadlock: every rank had returned, or was blocked in a send or recv that no rank would ever "
+                    "match. Check that every send has a matching recv (same peer, same tag, in the same order) and "
+                    "vice versa.")
     if headline is None:
         headline = (f"the case did not finish within {timeout:g} s: a rank waited for a message that never came. "
                     "Check that every send has a matching recv (same peer, same size) and vice versa.")
     if certain:
-        headline += (" (The check saw that no rank could ever move again and stopped the case at once, without "
-                     f"waiting its {timeout:g} s.)")
+        headline += " (Found at once: no rank could ever move again.)"
     lines = [headline, "What each rank was doing:"]
     for rank in sorted(states):
         state = states[rank]

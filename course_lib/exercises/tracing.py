@@ -31,6 +31,7 @@ import inspect
 import linecache
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -266,8 +267,10 @@ class Tracer:
         self._entries = 0
         # ("send" | "recv", peer, tag) -> how many such calls this rank has posted (made, blocking or not)
         self.posted: collections.Counter = collections.Counter()
-        # a receive from any source or a call on a subgroup: which send meets which receive is not known
+        # which send meets which receive is not known (a receive from any source, a call on a subgroup or from another
+        # thread, a tag beyond the case's range, a call that failed): the watchdog's deadlock rule stays out of it
         self.unmatched = False
+        self._thread = threading.get_ident()
         self._undo: list = []
         self._exit_stack = None
 
@@ -281,7 +284,11 @@ class Tracer:
         self.blocked = (call, peer, description, learner_frame(sys._getframe(2)), self._entries, match)
         if _rankstate.is_active():
             _rankstate.set_blocked(description)
-        yield
+        try:
+            yield
+        except BaseException:
+            self.unmatched = True     # the call may never have been posted, and the mark stays
+            raise
         self.blocked = None
         _rankstate.clear()
 
@@ -306,10 +313,11 @@ class Tracer:
         return torch.zeros(room, dtype=tensor.dtype, device=tensor.device)
 
     def _post(self, direction: str, peer, tag, arguments):
-        """Count a send or receive as posted; returns its `match` (see `blocked`), or None when a receive from any
-        source or a subgroup makes the pairing of sends with receives unknowable."""
+        """Count a send or receive as posted; returns its `match` (see `blocked`), or None when the pairing of sends
+        with receives cannot be known (see `unmatched`)."""
         group = arguments.get("group")
         if (not isinstance(peer, int) or isinstance(peer, bool) or not isinstance(tag, int)
+                or not 0 <= tag < TAG_STRIDE or threading.get_ident() != self._thread
                 or (group is not None and group is not dist.GroupMember.WORLD)):
             self.unmatched = True
             return None
@@ -359,7 +367,11 @@ class Tracer:
                 tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
                 tracer.events.append(("recv", sender if peer is None else peer, nbytes, tag))
                 return sender
-            work = original(*bound.args, **bound.kwargs)
+            try:
+                work = original(*bound.args, **bound.kwargs)
+            except BaseException:
+                tracer.unmatched = True
+                raise
             if name == "irecv":
                 tracer.messages.append(Message("irecv", peer, numel, None, tag))
             if work is None:
@@ -397,6 +409,7 @@ class Tracer:
             setattr(owner, name, value)
 
     def __enter__(self):
+        self._thread = threading.get_ident()
         replacements = {}  # id(original object) -> replacement
         for name in P2P_CALLS:
             original = getattr(dist, name)
