@@ -214,7 +214,7 @@ class _TracedWork:
             self._event = None
 
     def wait(self, *args, **kwargs):
-        with self._tracer.blocked_in(*self._blocked):
+        with self._tracer.failures_unmatch(), self._tracer.blocked_in(*self._blocked):
             result = self._work.wait(*args, **kwargs)
         self._arrived()
         return result
@@ -284,13 +284,19 @@ class Tracer:
         self.blocked = (call, peer, description, learner_frame(sys._getframe(2)), self._entries, match)
         if _rankstate.is_active():
             _rankstate.set_blocked(description)
+        yield
+        self.blocked = None
+        _rankstate.clear()
+
+    @contextlib.contextmanager
+    def failures_unmatch(self):
+        """A call that raises inside the block (its message may never have been posted, or a wait was given up)
+        leaves the pairing of sends with receives unknown: `unmatched`."""
         try:
             yield
         except BaseException:
-            self.unmatched = True     # the call may never have been posted, and the mark stays
+            self.unmatched = True
             raise
-        self.blocked = None
-        _rankstate.clear()
 
     # -- wrappers ---------------------------------------------------------------------------------
 
@@ -348,37 +354,35 @@ class Tracer:
                            + (f", tag={tag}" if tag else "") + ")")
             nbytes = numel * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
             match = tracer._post("send" if name in ("send", "isend") else "recv", peer, tag, bound.arguments)
-            if name in ("send", "isend"):
-                data = tensor.detach().clone().cpu() if isinstance(tensor, torch.Tensor) and tracer.keep_data else None
-                tracer.messages.append(Message(name, peer, numel, data, tag))
-            event = len(tracer.events)
-            if name != "recv":            # a blocking receive is logged once it knows its sender
-                tracer.events.append((name, peer, nbytes, tag))
-            if name == "send":
-                with tracer.blocked_in(name, peer, description, match):
-                    return original(*bound.args, **bound.kwargs)
-            landing = tracer._landing(tensor) if name in ("recv", "irecv") else None
-            if landing is not None:
-                bound.arguments["tensor"] = landing
-            if name == "recv":
-                with tracer.blocked_in(name, peer, description, match):
-                    sender = original(*bound.args, **bound.kwargs)
-                _deliver(landing, tensor)
-                tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
-                tracer.events.append(("recv", sender if peer is None else peer, nbytes, tag))
-                return sender
-            try:
+            with tracer.failures_unmatch():      # counted above: if it fails, the count may be wrong
+                if name in ("send", "isend"):
+                    kept = isinstance(tensor, torch.Tensor) and tracer.keep_data
+                    data = tensor.detach().clone().cpu() if kept else None
+                    tracer.messages.append(Message(name, peer, numel, data, tag))
+                event = len(tracer.events)
+                if name != "recv":            # a blocking receive is logged once it knows its sender
+                    tracer.events.append((name, peer, nbytes, tag))
+                if name == "send":
+                    with tracer.blocked_in(name, peer, description, match):
+                        return original(*bound.args, **bound.kwargs)
+                landing = tracer._landing(tensor) if name in ("recv", "irecv") else None
+                if landing is not None:
+                    bound.arguments["tensor"] = landing
+                if name == "recv":
+                    with tracer.blocked_in(name, peer, description, match):
+                        sender = original(*bound.args, **bound.kwargs)
+                    _deliver(landing, tensor)
+                    tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
+                    tracer.events.append(("recv", sender if peer is None else peer, nbytes, tag))
+                    return sender
                 work = original(*bound.args, **bound.kwargs)
-            except BaseException:
-                tracer.unmatched = True
-                raise
-            if name == "irecv":
-                tracer.messages.append(Message("irecv", peer, numel, None, tag))
-            if work is None:
-                return work
-            return _TracedWork(work, tracer, f"{name}.wait", peer,
-                               f"{name}.wait({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''})",
-                               landing=landing, tensor=tensor, event=event, match=match)
+                if name == "irecv":
+                    tracer.messages.append(Message("irecv", peer, numel, None, tag))
+                if work is None:
+                    return work
+                return _TracedWork(work, tracer, f"{name}.wait", peer,
+                                   f"{name}.wait({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''})",
+                                   landing=landing, tensor=tensor, event=event, match=match)
 
         wrapper.__name__ = wrapper.__qualname__ = name
         wrapper.__doc__ = original.__doc__
