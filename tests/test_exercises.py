@@ -208,19 +208,19 @@ def _tags_disagree(tensor):
                      "match: a different tag"),
 ], ids=["recv_first", "send_first", "a_rank_returned", "tags_disagree"])
 def test_a_certain_deadlock_is_found_at_once_not_after_the_timeout(fn, expect):
-    """With a case timeout of a minute, a deadlock at each world size is still found in about a second: no retry,
+    """With a case timeout of 10 s, a deadlock at each world size is still found in about a second: no retry,
     and the explanation names the ranks and says the check stopped the case itself. Without the watchdogs' rule
-    the first case alone would wait 60 s, and then its retry 240 s."""
+    the first case would wait 10 s, then run again for 40 s (and the check would run out of its 45 s)."""
     started = time.monotonic()
-    outcome, launches = _counted_drive(fn, sizes=(2, 3), case_timeout=60.0)
-    assert [(g, timeout) for g, _, timeout in launches] == [(2, 60.0), (3, 60.0)], launches
+    outcome, launches = _counted_drive(fn, sizes=(2, 3), case_timeout=10.0)
+    assert [(g, timeout) for g, _, timeout in launches] == [(2, 10.0), (3, 10.0)], launches
     failed = [c for c in outcome.cases if c.status == "failed"]
     assert [c.case.world_size for c in failed] == [2, 3]
     first = failed[0].problems[-1].message
     assert expect in first and "(Found at once: no rank could ever move again.)" in first, first
     assert [c.status for c in outcome.cases if c.case.world_size == 2][1:] == ["not run"] * 5
     assert outcome.cases[1].problems[0].message == "not run: an earlier case with G=2 deadlocked."
-    assert time.monotonic() - started < 45
+    assert time.monotonic() - started < 20
     assert _children() == []
 
 
@@ -269,6 +269,44 @@ _RECV_RECV = [_blocked(1, ("recv", 1, 0, 1), [("recv", 1, 0, 1)]), _blocked(1, (
         "peer_returned", "returned_between_reads", "returned_after_sending", "send_met", "send_unmet"])
 def test_the_deadlock_rule_is_certain_only_when_no_call_can_ever_complete(before, now, certain):
     assert runner.certain_deadlock(before, now, read_before=1.5) is certain
+
+
+def test_the_tracer_leaves_the_rule_out_where_it_cannot_pair_sends_with_receives():
+    """What the rule reads: the k-th call of a direction, peer and tag; and `unmatched` wherever that pairing is not
+    known (any source, a subgroup, a tag beyond the case's range, another thread, a call or wait that failed)."""
+    import threading
+
+    from course_lib.exercises.tracing import TAG_STRIDE, Tracer
+
+    tracer = Tracer()
+    assert tracer._post("recv", 1, 0, {}) == ("recv", 1, 0, 1)
+    assert tracer._post("recv", 1, 0, {}) == ("recv", 1, 0, 2)
+    assert tracer._post("send", 1, 3, {}) == ("send", 1, 3, 1) and not tracer.unmatched
+    def unmatched_after(act):
+        fresh = Tracer()
+        act(fresh)
+        return fresh.unmatched
+    assert unmatched_after(lambda t: t._post("recv", None, 0, {}))                        # any source
+    assert unmatched_after(lambda t: t._post("send", 1, 0, {"group": object()}))          # a subgroup
+    assert unmatched_after(lambda t: t._post("send", 1, TAG_STRIDE, {}))                  # a tag beyond the case
+    assert not unmatched_after(lambda t: t._post("send", 1, TAG_STRIDE - 1, {}))
+
+    def from_another_thread(t):
+        worker = threading.Thread(target=lambda: t._post("send", 1, 0, {}))
+        worker.start()
+        worker.join()
+    assert unmatched_after(from_another_thread)
+
+    def wait_from_another_thread(t):
+        worker = threading.Thread(target=lambda: t.blocked_in("irecv.wait", 1, "irecv.wait(src=1)").__enter__())
+        worker.start()
+        worker.join()
+    assert unmatched_after(wait_from_another_thread)
+
+    def failing_call(t):
+        with pytest.raises(RuntimeError), t.failures_unmatch():
+            raise RuntimeError("Tensors must be contiguous")
+    assert unmatched_after(failing_call)
 
 
 def test_a_case_that_only_the_machine_made_slow_passes_on_its_retry_and_keeps_the_retry_for_later_sizes(tmp_path):

@@ -222,9 +222,11 @@ class _Watchdog(threading.Thread):
                   "where": (blocked[3] if blocked else "") or (learner_frame(frame) if frame is not None else ""),
                   "messages": list(tracer.messages) if tracer is not None else [],
                   "printed": (tracer.printed.size, tracer.printed.text) if tracer is not None else (0, "")}
-        _save(self.workdir, case, self.rank, record, suffix="stuck")
-        time.sleep(0.5)  # let the other ranks' watchdogs write theirs before launch stops everyone
-        os._exit(_STUCK_EXIT)
+        try:
+            _save(self.workdir, case, self.rank, record, suffix="stuck")
+            time.sleep(0.5)  # let the other ranks' watchdogs write theirs before launch stops everyone
+        finally:
+            os._exit(_STUCK_EXIT)     # with a report or without one, the rank ends
 
 
 def _posted(tracer):

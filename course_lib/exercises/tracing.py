@@ -280,6 +280,8 @@ class Tracer:
     def blocked_in(self, call: str, peer, description: str, match=None):
         """Mark this rank as blocked in `call` for the block. If the call fails (a peer died, the case
         is being stopped), the mark stays: it is what the watchdog reports."""
+        if threading.get_ident() != self._thread:
+            self.unmatched = True     # one slot for one thread: a second thread's wait would hide the first's state
         self._entries += 1
         self.blocked = (call, peer, description, learner_frame(sys._getframe(2)), self._entries, match)
         if _rankstate.is_active():
