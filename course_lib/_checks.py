@@ -7,9 +7,10 @@ sends anything, each rank shares a few integers describing its call (is my input
 elements, which dtype, which root, which op) with every other rank, and every rank raises the same
 clear error if they disagree.
 
-This guard is not part of the algorithms being taught: it uses the built-in `all_gather` on one
-small int64 tensor and is not counted by `course_lib.traffic`. `unchecked()` switches it off (the
-benchmarks do, so they time only the algorithm); a rank's own bad argument is still reported.
+This guard is not part of the algorithms being taught: it uses the built-in `gather` and `broadcast`
+on one small int64 tensor (see `_share`) and is not counted by `course_lib.traffic`. `unchecked()`
+switches it off (the benchmarks do, so they time only the algorithm); a rank's own bad argument is
+still reported.
 
 `prepare` is where every collective and all-reduce variant starts, so it is also where a call waits
 for this rank's queued async collectives (`_work.drain`): the ranks then run their collectives in
@@ -116,7 +117,7 @@ _CALL_NAMES = {name_code(name): name for name in KNOWN_CALLS}
 
 def _row_width(world_size: int) -> int:
     # Every rank sends a row of the same length, whichever function it is in, so that ranks which
-    # disagree about the function itself still meet in one all_gather and can say so.
+    # disagree about the function itself still meet in one exchange and can say so.
     # [problem flag, call code, fields...]; all_to_all has the most fields: dtype + 2 sizes per rank.
     return 2 + max(4, 1 + 2 * world_size)
 
@@ -151,16 +152,14 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
         raise ValueError(f"{call}: too many fields to agree on ({len(names)})")
     values += [0] * (_row_width(world_size) - len(values))
     row = torch.tensor(values, dtype=torch.int64, device=device or torch.device("cpu"))
-    rows = [torch.empty_like(row) for _ in range(world_size)]
     if _rankstate.is_active():  # so a launch that times out here can say which call never came
-        _rankstate.set_blocked(f"{call}'s argument check (a torch.distributed.all_gather of every rank's "
-                               f"arguments), which waits until every rank has called {call}")
+        _rankstate.set_blocked(f"{call}'s argument check (rank 0 gathers every rank's arguments and broadcasts "
+                               f"them), which waits until every rank has called {call}")
     try:
         with _clock.untimed():  # on a modeled clock the check costs nothing: it is not the algorithm being timed
-            dist.all_gather(rows, row)
+            rows = _share(row, world_size).tolist()
     finally:
         _rankstate.clear()
-    rows = [r.tolist() for r in rows]
     if problem is not None:
         raise problem
     calls = [r[1] for r in rows]
@@ -180,6 +179,21 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
             shown = [describe.get(name, str)(v) for v in column]
             raise MismatchError(f"{call}: the ranks disagree about {name}: {_by_value(shown)}. "
                                 f"Every rank must call {call} with the same {name}.")
+    return table
+
+
+def _share(row: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's `row`, on every rank: a (world_size, len(row)) table, index = rank.
+
+    Rank 0 gathers the rows and broadcasts the table: 2 (G - 1) messages in all. gloo's `all_gather` passes
+    the rows round a ring, G (G - 1) messages, and this check runs before every collective, so in a training
+    loop of small messages it cost more than the all-reduce it guarded (at 8 ranks on 2 cores: 12 ms a call
+    against 2 ms; benchmarks/results/argument_check.md).
+    """
+    table = torch.empty((world_size, row.numel()), dtype=row.dtype, device=row.device)
+    rows = list(table.unbind(0)) if dist.get_rank() == 0 else None     # views: gather writes into the table
+    dist.gather(row, rows, dst=0)
+    dist.broadcast(table, src=0)
     return table
 
 
