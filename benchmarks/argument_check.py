@@ -1,20 +1,24 @@
-"""What course_lib's cross-rank argument check costs, and what it cost before: on the machine's own clock.
+"""What course_lib's cross-rank argument check costs, exchanged both ways, on this machine's own clock.
 
     python benchmarks/argument_check.py                       # 2, 3, 4 and 8 ranks, 11 repetitions
-    python benchmarks/argument_check.py --world-sizes 4 --reps 9 --calls 100
+    python benchmarks/argument_check.py --world-sizes 4 --reps 9 --calls 100 --network ''
 
 Every collective and all-reduce variant of course_lib starts with `_checks.agree`: each rank shares a row of a
 few integers (which function, how many elements, which dtype, op and root) and every rank checks that they agree.
-Until 2026-11-27 the rows went round in gloo's `all_gather`, a ring: G (G - 1) messages. Now rank 0 gathers them
-and broadcasts the table (`_checks._share`): 2 (G - 1). This script times `agree` itself both ways, and a checked
-`allreduce.parameter_server` of 64 float32 (a training loop's loss sum: two numbers), with each exchange, in one
-launch per world size. Within every repetition the variants take turns (their order alternates), each timed over
-`--calls` calls after a barrier; a repetition keeps the slowest rank's time per call. Printed and written: the
-median over repetitions and the spread (min..max), and per repetition the ratio before / now.
+Until 2026-11-27 the rows went round in gloo's `all_gather`, a ring: G (G - 1) messages. Now, from 3 ranks on,
+rank 0 gathers them and broadcasts the table: 2 (G - 1) messages (`_checks._share`; with 2 ranks it keeps the
+one all_gather: as many messages, in one call). This script times `agree` itself both ways, and a checked
+`allreduce.parameter_server` of 64 float32 (as small as a training loop's loss sum), in one launch per world
+size, and again in a launch under a modeled network (`--network`, default ib_ndr), where every built-in
+collective also makes a round trip to the simulation (two calls, two round trips). Within every repetition the
+two ways take turns (their order alternates), each timed over `--calls` calls after a barrier, after one
+warm-up round; a repetition keeps the slowest rank's time per call. Printed and written: the median over
+repetitions and the spread (min..max), and the median and spread of the per-repetition ratio all_gather /
+gather + broadcast (above 1: gather + broadcast is faster).
 
-The clock is this machine's (`time.perf_counter`), not the modeled network's, on which the check costs nothing:
-what is measured is this machine's cost per message (gloo on loopback, several ranks sharing 2 cores), the cost
-that CI and a learner's notebook pay.
+The clock is this machine's (`time.perf_counter`), also under the modeled network, on whose own clock the
+check costs nothing: what is measured is this machine's cost per message (gloo on loopback, several ranks
+sharing 2 cores), the cost that CI and a learner's notebook pay.
 """
 
 from __future__ import annotations
@@ -37,14 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"numel": 64, "dtype": 0, "op": 0, "root": -1}
 
 
-def _share_by_all_gather(row: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The exchange as it was: gloo's all_gather of every rank's row."""
-    rows = [torch.empty_like(row) for _ in range(world_size)]
-    dist.all_gather(rows, row)
-    return torch.stack(rows)
-
-
-EXCHANGES = {"before (all_gather)": _share_by_all_gather, "now (gather + broadcast)": _checks._share}
+EXCHANGES = {"all_gather": _checks._all_gather_rows, "gather + broadcast": _checks._gather_and_broadcast_rows}
 
 
 def _time(fn, calls: int) -> float:
@@ -63,6 +60,10 @@ def measure(rank, world_size, reps, calls):
     times = {(w, e): [] for w in what for e in EXCHANGES}
     original = _checks._share
     try:
+        for exchange in EXCHANGES:                     # a warm-up round, not kept: connections, first allocations
+            _checks._share = EXCHANGES[exchange]
+            for fn in what.values():
+                _time(fn, max(1, calls // 10))
         for rep in range(reps):
             order = list(EXCHANGES) if rep % 2 == 0 else list(EXCHANGES)[::-1]
             for exchange in order:
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4, 8])
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--network", default="ib_ndr", help="a Network preset for the second launch ('' for none)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "argument_check"),
                         help="writes OUT.md and OUT.json ('' for neither)")
     args = parser.parse_args(argv)
@@ -86,28 +88,32 @@ def main(argv=None) -> int:
         parser.error("--reps and --calls must be 1 or more, every world size 2 or more")
     load_before = os.getloadavg()
     rows, raw = [], {}
+    networks = [None] + ([course_lib.Network.preset(args.network)] if args.network else [])
     for world_size in args.world_sizes:
-        per_rank = course_lib.launch(measure, world_size, args=(args.reps, args.calls), timeout=600)
-        slowest = {key: [max(r[key][i] for r in per_rank) for i in range(args.reps)] for key in per_rank[0]}
-        raw[world_size] = {f"{w} | {e}": v for (w, e), v in slowest.items()}
-        for what in dict.fromkeys(w for w, _ in slowest):
-            before, now = slowest[what, "before (all_gather)"], slowest[what, "now (gather + broadcast)"]
-            ratios = [b / n for b, n in zip(before, now)]
-            rows.append((world_size, what, before, now, ratios))
+        for network in networks:
+            launched = "plain" if network is None else f"modeled {args.network}"
+            per_rank = course_lib.launch(measure, world_size, args=(args.reps, args.calls), timeout=600,
+                                         network=network)
+            slowest = {key: [max(r[key][i] for r in per_rank) for i in range(args.reps)] for key in per_rank[0]}
+            raw[f"{world_size} {launched}"] = {f"{w} | {e}": v for (w, e), v in slowest.items()}
+            for what in dict.fromkeys(w for w, _ in slowest):
+                before, now = slowest[what, "all_gather"], slowest[what, "gather + broadcast"]
+                ratios = [b / n for b, n in zip(before, now)]
+                rows.append((world_size, launched, what, before, now, ratios))
     load_after = os.getloadavg()
     ms = lambda xs: f"{1e3 * statistics.median(xs):.3f} ({1e3 * min(xs):.3f}..{1e3 * max(xs):.3f})"
-    lines = [f"# The cross-rank argument check: before (gloo all_gather) and now (gather + broadcast), "
-             f"this machine's clock",
+    lines = [f"# The cross-rank argument check: gloo's all_gather (as before) or gather + broadcast (now from 3 "
+             f"ranks on), this machine's clock",
              "",
-             f"Command: `python benchmarks/argument_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`."
+             f"Command: `{' '.join(['python benchmarks/argument_check.py', *(argv if argv is not None else sys.argv[1:])])}`."
              f" Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo; load average before "
              f"{load_before[0]:.2f}, after {load_after[0]:.2f}. {args.reps} repetitions of {args.calls} calls, the "
              "variants taking turns in every repetition; the slowest rank per repetition. Medians (min..max).",
              "",
-             "| ranks | call | before, ms per call | now, ms per call | before / now |",
-             "| --- | --- | --- | --- | --- |"]
-    for world_size, what, before, now, ratios in rows:
-        lines.append(f"| {world_size} | {what} | {ms(before)} | {ms(now)} | {statistics.median(ratios):.2f} "
+             "| ranks | launch | call | all_gather, ms per call | gather + broadcast, ms per call | all_gather / gather + broadcast |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for world_size, launched, what, before, now, ratios in rows:
+        lines.append(f"| {world_size} | {launched} | {what} | {ms(before)} | {ms(now)} | {statistics.median(ratios):.2f} "
                      f"({min(ratios):.2f}..{max(ratios):.2f}) |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -135,7 +135,7 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
         same: names of fields that must be equal on every rank.
         problem: an exception this rank found in its own arguments; it is raised here, and every
             other rank raises too instead of waiting for this one.
-        device: where to put the metadata tensor (see `metadata_device`).
+        device: where to put the metadata tensor (default: `metadata_device()`, a GPU under NCCL).
         describe: optional name -> function(int) -> str to print a field's values readably.
 
     Returns:
@@ -151,7 +151,7 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
     if len(values) > _row_width(world_size):
         raise ValueError(f"{call}: too many fields to agree on ({len(names)})")
     values += [0] * (_row_width(world_size) - len(values))
-    row = torch.tensor(values, dtype=torch.int64, device=device or torch.device("cpu"))
+    row = torch.tensor(values, dtype=torch.int64, device=device or metadata_device())
     if _rankstate.is_active():  # so a launch that times out here can say which call never came
         _rankstate.set_blocked(f"{call}'s argument check (rank 0 gathers every rank's arguments and broadcasts "
                                f"them), which waits until every rank has called {call}")
@@ -185,14 +185,25 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
 def _share(row: torch.Tensor, world_size: int) -> torch.Tensor:
     """Every rank's `row`, on every rank: a (world_size, len(row)) table, index = rank.
 
-    Rank 0 gathers the rows and broadcasts the table: 2 (G - 1) messages in all. gloo's `all_gather` passes
-    the rows round a ring, G (G - 1) messages, and this check runs before every collective, so in a training
-    loop of small messages it cost more than the all-reduce it guarded (at 8 ranks on 2 cores: 12 ms a call
-    against 2 ms; benchmarks/results/argument_check.md).
+    From 3 ranks on, rank 0 gathers the rows and broadcasts the table: 2 (G - 1) messages in all, where gloo's
+    ring `all_gather` sends G (G - 1). This check runs before every collective, so in a training loop of small
+    messages the ring cost more than the all-reduce it guarded. With 2 ranks both send 2 messages, and one
+    call costs less than two. benchmarks/results/argument_check.md has both ways at 2, 3, 4 and 8 ranks.
     """
+    if world_size <= 2:
+        return _all_gather_rows(row, world_size)
+    return _gather_and_broadcast_rows(row, world_size)
+
+
+def _all_gather_rows(row: torch.Tensor, world_size: int) -> torch.Tensor:
     table = torch.empty((world_size, row.numel()), dtype=row.dtype, device=row.device)
-    rows = list(table.unbind(0)) if dist.get_rank() == 0 else None     # views: gather writes into the table
-    dist.gather(row, rows, dst=0)
+    dist.all_gather(list(table.unbind(0)), row)                         # views: all_gather writes into the table
+    return table
+
+
+def _gather_and_broadcast_rows(row: torch.Tensor, world_size: int) -> torch.Tensor:
+    table = torch.empty((world_size, row.numel()), dtype=row.dtype, device=row.device)
+    dist.gather(row, list(table.unbind(0)) if dist.get_rank() == 0 else None, dst=0)
     dist.broadcast(table, src=0)
     return table
 
