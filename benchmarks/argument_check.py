@@ -33,11 +33,10 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import course_lib  # noqa: E402
 from course_lib import _checks, allreduce  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"numel": 64, "dtype": 0, "op": 0, "root": -1}
 
 
@@ -97,9 +96,9 @@ def main(argv=None) -> int:
             slowest = {key: [max(r[key][i] for r in per_rank) for i in range(args.reps)] for key in per_rank[0]}
             raw[f"{world_size} {launched}"] = {f"{w} | {e}": v for (w, e), v in slowest.items()}
             for what in dict.fromkeys(w for w, _ in slowest):
-                before, now = slowest[what, "all_gather"], slowest[what, "gather + broadcast"]
-                ratios = [b / n for b, n in zip(before, now)]
-                rows.append((world_size, launched, what, before, now, ratios))
+                ring, gathered = slowest[what, "all_gather"], slowest[what, "gather + broadcast"]
+                ratios = [r / g for r, g in zip(ring, gathered)]
+                rows.append((world_size, launched, what, ring, gathered, ratios))
     load_after = os.getloadavg()
     ms = lambda xs: f"{1e3 * statistics.median(xs):.3f} ({1e3 * min(xs):.3f}..{1e3 * max(xs):.3f})"
     lines = [f"# The cross-rank argument check: gloo's all_gather (as before) or gather + broadcast (now from 3 "
@@ -112,8 +111,8 @@ def main(argv=None) -> int:
              "",
              "| ranks | launch | call | all_gather, ms per call | gather + broadcast, ms per call | all_gather / gather + broadcast |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for world_size, launched, what, before, now, ratios in rows:
-        lines.append(f"| {world_size} | {launched} | {what} | {ms(before)} | {ms(now)} | {statistics.median(ratios):.2f} "
+    for world_size, launched, what, ring, gathered, ratios in rows:
+        lines.append(f"| {world_size} | {launched} | {what} | {ms(ring)} | {ms(gathered)} | {statistics.median(ratios):.2f} "
                      f"({min(ratios):.2f}..{max(ratios):.2f}) |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -7,8 +7,9 @@ sends anything, each rank shares a few integers describing its call (is my input
 elements, which dtype, which root, which op) with every other rank, and every rank raises the same
 clear error if they disagree.
 
-This guard is not part of the algorithms being taught: it uses the built-in `gather` and `broadcast`
-on one small int64 tensor (see `_share`) and is not counted by `course_lib.traffic`. `unchecked()`
+This guard is not part of the algorithms being taught: it shares one small int64 tensor with the
+built-in collectives (`_share`: a gather and a broadcast, or one all_gather with 2 ranks) and is not
+counted by `course_lib.traffic`. `unchecked()`
 switches it off (the benchmarks do, so they time only the algorithm); a rank's own bad argument is
 still reported.
 
@@ -153,8 +154,8 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
     values += [0] * (_row_width(world_size) - len(values))
     row = torch.tensor(values, dtype=torch.int64, device=device or metadata_device())
     if _rankstate.is_active():  # so a launch that times out here can say which call never came
-        _rankstate.set_blocked(f"{call}'s argument check (rank 0 gathers every rank's arguments and broadcasts "
-                               f"them), which waits until every rank has called {call}")
+        _rankstate.set_blocked(f"{call}'s argument check (every rank's arguments, shared with built-in collectives), "
+                               f"which waits until every rank has called {call}")
     try:
         with _clock.untimed():  # on a modeled clock the check costs nothing: it is not the algorithm being timed
             rows = _share(row, world_size).tolist()
@@ -195,14 +196,18 @@ def _share(row: torch.Tensor, world_size: int) -> torch.Tensor:
     return _gather_and_broadcast_rows(row, world_size)
 
 
+def _empty_table(row: torch.Tensor, world_size: int) -> torch.Tensor:
+    return torch.empty((world_size, row.numel()), dtype=row.dtype, device=row.device)
+
+
 def _all_gather_rows(row: torch.Tensor, world_size: int) -> torch.Tensor:
-    table = torch.empty((world_size, row.numel()), dtype=row.dtype, device=row.device)
+    table = _empty_table(row, world_size)
     dist.all_gather(list(table.unbind(0)), row)                         # views: all_gather writes into the table
     return table
 
 
 def _gather_and_broadcast_rows(row: torch.Tensor, world_size: int) -> torch.Tensor:
-    table = torch.empty((world_size, row.numel()), dtype=row.dtype, device=row.device)
+    table = _empty_table(row, world_size)
     dist.gather(row, list(table.unbind(0)) if dist.get_rank() == 0 else None, dst=0)
     dist.broadcast(table, src=0)
     return table

@@ -395,8 +395,8 @@ class Tracer:
     def _refusal(what, original=None):
         def refuse(*args, **kwargs):
             if original is not None and _called_from_checks():
-                # course_lib's argument guard (course_lib._checks) agrees on a few integers with the
-                # built-in gather and broadcast inside functions the exercise allows (course_lib.p2p is checked
+                # course_lib's argument guard (course_lib._checks) agrees on a few integers with
+                # built-in collectives inside functions the exercise allows (course_lib.p2p is checked
                 # elsewhere; forbidden course_lib functions are refused by name and by their messages).
                 return original(*args, **kwargs)
             raise ForbiddenCall(what)

@@ -41,7 +41,7 @@ Limits, on purpose:
   labels and the launcher's "blocked in" line are module globals, one per process; they stay right
   because nobody else communicates meanwhile.
 * The ranks agree on the bucket plan once, before training (`course_lib._checks.agree`); the bucket
-  all-reduces then run without the per-call agreement (it would add one small gather and broadcast per bucket).
+  all-reduces then run without the per-call agreement (it would add one small exchange of every rank's arguments per bucket).
 * A parameter that gets no gradient in a step (unused in the forward pass) holds its bucket back
   until backward ends; its gradient counts as zero, as in today's trainer.
 * On a CPU the "network" (gloo over loopback) and autograd share the same cores, so overlap can only
