@@ -33,6 +33,7 @@ import contextlib
 import inspect
 import math
 import os
+import queue
 import socket
 import struct
 import sys
@@ -300,7 +301,8 @@ class _RankState:
         self.next_actor = 1
         self.next_request = 0
         self.receives: dict = {}           # request id -> _Receive
-        self.sends: list = []              # (torch work, the copy it reads) until torch has sent it
+        self.unsent = queue.SimpleQueue()  # (torch work, the copy it reads), for `_wait_for_sends` to wait on
+        self.waiter: threading.Thread | None = None
         self.sequences: dict = {}          # group code -> collectives called on it so far
         self.main = threading.current_thread()
 
@@ -331,9 +333,20 @@ class _RankState:
             return (self.rank << 40) | self.next_request
 
     def keep_send(self, work, copy) -> None:
-        with self.lock:
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-            self.sends.append((work, copy))
+        """Keep torch's send and the copy it reads alive until torch has sent it.
+
+        The modeled wait on a send returns at the model's time, without waiting for torch; and gloo loses a send
+        whose handle is dropped before the receiver posts, while its `is_completed()` stays False until someone
+        waits. So a thread of the rank's own waits on torch's sends, in order, and then lets them go: the rank never
+        holds more than the sends still in flight. That thread never reads the clock, so the simulation never waits
+        for it. (Scanning a list of every send with `is_completed()` instead cost time quadratic in the sends.)"""
+        self.unsent.put((work, copy))
+        if self.waiter is None:
+            with self.lock:
+                if self.waiter is None:
+                    self.waiter = threading.Thread(target=_wait_for_sends, args=(self.unsent,),
+                                                   name="course_lib-sends", daemon=True)
+                    self.waiter.start()
 
     def post_matched(self, matches) -> None:
         """Post to torch, in the simulation's match order, the receives it matched."""
@@ -358,6 +371,19 @@ class _RankState:
             seq = self.sequences.get(code, 0)
             self.sequences[code] = seq + 1
             return seq
+
+
+def _wait_for_sends(unsent: queue.SimpleQueue) -> None:
+    """The body of a rank's `course_lib-sends` thread (`_RankState.keep_send`): torch's wait on each send, in order."""
+    while True:
+        work, _copy = unsent.get()
+        if work is None:
+            return
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - a send that failed fails its receiver too, which reports it
+            pass
+        del work, _copy
 
 
 _state: _RankState | None = None
@@ -682,6 +708,7 @@ def deactivate() -> None:
         state.link().send(wire.DONE_RANK)
     except OSError:
         pass
+    state.unsent.put((None, None))         # its sends thread ends once torch has sent what is still queued
     for name, function in _original.items():
         for module in (dist, distributed_c10d):
             setattr(module, name, function)

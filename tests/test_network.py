@@ -366,6 +366,33 @@ def test_torch_distributed_calls_are_modeled_exactly_and_still_deliver_the_right
     assert network.last_launch().messages == 4 * 2 + 3 + 4 + 1
 
 
+def _sends_before_a_late_receiver(rank, world_size, count):
+    from course_lib import modeled_clock
+
+    if rank == 1:
+        time.sleep(0.5)          # real time: rank 0 waited on its sends and dropped them long before these receives
+        got = torch.empty(count, 1000)
+        for row in got:
+            dist.recv(row, 0)
+        dist.barrier()
+        return got
+    for i in range(count):       # each modeled wait returns when the model says the message left, not when torch sent it
+        dist.isend(torch.full((1000,), float(i)), 1).wait()
+    dist.barrier()               # rank 1 has every message: torch has sent them all
+    deadline = time.monotonic() + 10
+    while modeled_clock._state.unsent.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return modeled_clock._state.unsent.qsize()
+
+
+def test_sends_reach_a_late_receiver_and_the_rank_lets_them_go_once_torch_has_sent_them():
+    # gloo loses a send whose handle is dropped before its receive is posted; the modeled clock keeps torch's handle
+    # (and the copy it reads) until torch has sent it, and no longer: a rank does not hold every message it ever sent
+    still_held, got = course_lib.launch(_sends_before_a_late_receiver, 2, args=(50,), network="1 GB/s, 1 ms")
+    assert torch.equal(got, torch.arange(50.0).unsqueeze(1).expand(50, 1000))
+    assert still_held == 0
+
+
 def _traced_ring(rank, world_size, numel):
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     with traffic.record() as recording:
