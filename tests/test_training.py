@@ -152,6 +152,31 @@ def test_uneven_shards_equal_one_process_with_the_full_batch(world_size, variant
     assert all(torch.equal(log.parameters[-1], hand[0].parameters[-1]) for log in hand)
 
 
+def _count_checks(rank, world_size, allreduce_arg, hook):
+    from course_lib import _checks
+    from course_lib.training import compression
+
+    shared = []
+    original = _checks._share
+    _checks._share = lambda row, g: shared.append(g) or original(row, g)      # every cross-rank check passes here
+    model = toy.make_mlp(seed=100)
+    comm = dict(comm_hook=compression.low_precision_hook, comm_hook_state=compression.LowPrecisionState()) if hook \
+        else {}
+    log = training.train_data_parallel(model, _optimizer(model), DATA, F.cross_entropy, batch_size=BATCH,
+                                       max_steps=5, allreduce=allreduce_arg, **comm)
+    _checks._share = original
+    return len(shared), training.flat_parameters(model)
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_a_named_all_reduce_is_checked_on_the_first_training_step_only_and_a_function_on_every_step(hook):
+    named = run(_count_checks, 3, "parameter_server", hook)
+    function = run(_count_checks, 3, lambda tensor, op: allreduce.parameter_server(tensor, op), hook)
+    # the checked broadcast of the parameters, then the gradients' (or the loss sum's) all-reduce once or 5 times
+    assert [n for n, _ in named] == [2] * 3 and [n for n, _ in function] == [6] * 3
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, function))
+
+
 # --------------------------------------------------------------------------------------------------
 # course_lib's ring inside DDP
 # --------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import _checks
 from course_lib import allreduce as allreduce_variants
 from course_lib import modeled_clock as _clock
 from course_lib import collectives, traffic
@@ -227,6 +228,29 @@ def _allreduce_function(allreduce):
     return allreduce
 
 
+def _checked_on_first_call(reduce_in_place):
+    """One of course_lib's all-reduce variants, with its cross-rank argument check on the first call only.
+
+    In a training run the variant is called from one place per step (the gradients and the loss sum after
+    backward, or the loss sum before a hook) on a tensor whose size is fixed by the model, which every rank
+    holds with the same parameters (the checked broadcast of `broadcast_parameters` said so), with op 'sum'.
+    Once the ranks agreed on the first call, every later one agrees too; checking it again cost as many
+    messages as the all-reduce itself in a training step of a small model. A learner's own all-reduce function,
+    and a communication hook, stay checked on every call."""
+    checked = False
+
+    def reduce(tensor, op):
+        nonlocal checked
+        if checked:
+            with _checks.unchecked():
+                return reduce_in_place(tensor, op)
+        result = reduce_in_place(tensor, op)
+        checked = True
+        return result
+
+    return reduce
+
+
 def take_batch(dataset, indices: list[int], device: torch.device):
     """(inputs, targets) of the samples `indices`, on `device`.
 
@@ -350,6 +374,7 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
         max_steps: stop after this many steps in total (None: run every epoch to the end).
         shuffle, seed, drop_last, pad: how the data is dealt out (see `sharding`).
         allreduce: the all-reduce that averages the gradients: a `course_lib.allreduce` name or a function.
+            A named one checks its arguments across ranks on the first step only (`_checked_on_first_call`).
         bucket_mb: cut the gradients into buckets of this many MiB (DDP's ``bucket_cap_mb``; see
             `course_lib.training.buckets`). None: one all-reduce of all gradients after backward (25
             with ``overlap=True``); ``math.inf``: one bucket.
@@ -383,6 +408,8 @@ def train_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, data
                          "train_data_parallel(model, ShardedDataParallel(model, ...), ...).")
     bucket_bytes = _bucket_bytes(bucket_mb, overlap, sharded or layered)
     reduce_in_place = _allreduce_function(allreduce)
+    if isinstance(allreduce, str):
+        reduce_in_place = _checked_on_first_call(reduce_in_place)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     n = _dataset_len(dataset)
     device = next(model.parameters()).device
