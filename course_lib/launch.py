@@ -689,6 +689,19 @@ def _without_inherited_frames(lines: list[str]) -> list[str]:
     return kept
 
 
+def _death_time(workdir, rank, first_seen) -> float:
+    """When a rank that left no report (killed by a signal, or exited) failed, as far as can be told: the last time
+    it wrote to stderr, if it wrote anything (gloo's abort writes its reason as it dies, before its sockets close
+    and its partners' calls fail with reports of their own); else first, if its exit was seen first, or last."""
+    try:
+        info = os.stat(_RankFiles(workdir, rank).stderr)
+        if info.st_size > 0:
+            return info.st_mtime
+    except OSError:
+        pass
+    return 0.0 if rank == first_seen else float("inf")
+
+
 def _failure_error(processes, workdir, first_seen):
     """Stop everyone, then describe the rank that failed first (by its own clock)."""
     time.sleep(0.05)  # let a rank that failed at the same moment finish writing its report
@@ -699,7 +712,7 @@ def _failure_error(processes, workdir, first_seen):
         if record is not None and record[0] == "error":
             failures.append((record[4], rank, record))
         elif rank == first_seen or (process.exitcode not in (0, None, -signal.SIGKILL)):
-            failures.append((float("inf") if rank != first_seen else 0.0, rank, None))
+            failures.append((_death_time(workdir, rank, first_seen), rank, None))
     failures.sort(key=lambda item: (item[0], item[1]))
     _, rank, record = failures[0]
     world = len(processes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import signal
 import subprocess
 import sys
@@ -198,6 +199,34 @@ def test_a_rank_killed_by_gloo_abort_is_reported_with_signal_and_stderr():
     assert "SIGABRT" in str(error)
     assert error.stderr_tail.strip(), "the last lines the rank wrote to stderr are missing"
     assert error.stderr_tail in str(error) or error.stderr_tail.strip().splitlines()[-1] in str(error)
+
+
+def test_a_rank_that_aborts_is_blamed_even_when_its_partner_reports_first(tmp_path):
+    # gloo's abort, as CI once met it: rank 1 writes its reason and dies by SIGABRT; rank 0's call fails because of
+    # it, a moment later, and rank 0's exit is the one the launcher saw first. The report names rank 1: it wrote its
+    # reason before rank 0 raised. (Made up from files, as the launcher finds them: the race itself is the OS's.)
+    launcher = sys.modules["course_lib.launch"]          # the module (course_lib.launch is also the function)
+
+    class Ended:
+        def __init__(self, exitcode):
+            self.exitcode = exitcode
+
+        def join(self, timeout=None):
+            pass
+
+    files = [launcher._RankFiles(str(tmp_path), rank) for rank in (0, 1)]
+    pathlib.Path(files[1].stderr).write_text("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n")
+    died = time.time() - 1.0
+    os.utime(files[1].stderr, (died, died))
+    with open(files[0].result, "wb") as f:
+        pickle.dump(("error", "RuntimeError", "Connection reset by peer", "Traceback ...", died + 0.01), f)
+    error = launcher._failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=0)
+    assert error.rank == 1 and error.exitcode == -signal.SIGABRT, str(error)
+    assert "Rank(s) [0] failed afterwards" in str(error) and "EnforceNotMet" in str(error)
+    # A rank that wrote nothing keeps the old rule: first if its exit was seen first, else after every report.
+    pathlib.Path(files[1].stderr).write_text("")
+    assert launcher._failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=0).rank == 0
+    assert launcher._failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=1).rank == 1
 
 
 def test_a_rank_that_exits_without_an_exception_is_reported():
