@@ -302,7 +302,7 @@ class _RankState:
         self.next_request = 0
         self.receives: dict = {}           # request id -> _Receive
         self.unsent = queue.SimpleQueue()  # (torch work, the copy it reads), for `_wait_for_sends` to wait on
-        self.waiter: threading.Thread | None = None
+        threading.Thread(target=_wait_for_sends, args=(self.unsent,), name="course_lib-sends", daemon=True).start()
         self.sequences: dict = {}          # group code -> collectives called on it so far
         self.main = threading.current_thread()
 
@@ -341,12 +341,6 @@ class _RankState:
         holds more than the sends still in flight. That thread never reads the clock, so the simulation never waits
         for it. (Scanning a list of every send with `is_completed()` instead cost time quadratic in the sends.)"""
         self.unsent.put((work, copy))
-        if self.waiter is None:
-            with self.lock:
-                if self.waiter is None:
-                    self.waiter = threading.Thread(target=_wait_for_sends, args=(self.unsent,),
-                                                   name="course_lib-sends", daemon=True)
-                    self.waiter.start()
 
     def post_matched(self, matches) -> None:
         """Post to torch, in the simulation's match order, the receives it matched."""

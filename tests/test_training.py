@@ -162,8 +162,8 @@ def _count_checks(rank, world_size, allreduce_arg, hook):
     model = toy.make_mlp(seed=100)
     comm = dict(comm_hook=compression.low_precision_hook, comm_hook_state=compression.LowPrecisionState()) if hook \
         else {}
-    log = training.train_data_parallel(model, _optimizer(model), DATA, F.cross_entropy, batch_size=BATCH,
-                                       max_steps=5, allreduce=allreduce_arg, **comm)
+    training.train_data_parallel(model, _optimizer(model), DATA, F.cross_entropy, batch_size=BATCH, max_steps=5,
+                                 allreduce=allreduce_arg, **comm)
     _checks._share = original
     return len(shared), training.flat_parameters(model)
 
