@@ -354,16 +354,17 @@ def _schedule_as_batch() -> None:
     not interactive: a woken thread waits for the running one to block or use up its slice, and the sender
     usually runs on to its own receive first. Nothing is lost to a rank (same share of the CPU, same fairness
     against other processes); on a quiet 2-core machine a ring all-reduce of 64 floats costs 4-6x less wall
-    and CPU time at 2-8 ranks (benchmarks/rank_scheduling.py). The policy is per thread and inherited, so it
-    is set before the process group starts gloo's threads. Linux only; elsewhere, or where the call is
-    refused, the rank runs as before.
+    and CPU time at 2-8 ranks (benchmarks/rank_scheduling.py). The policy is per thread and inherited: it is
+    set on every thread the rank has (a spawned rank's interpreter may have started some) before the process
+    group starts gloo's. Linux only; elsewhere, or where the call is refused, the rank runs as before.
     """
     if not hasattr(os, "SCHED_BATCH"):
         return
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError:
-        pass
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(thread), os.SCHED_BATCH, os.sched_param(0))
+        except OSError:     # a thread that has just ended, or a system that refuses: that thread runs as before
+            pass
 
 
 def _hide_gpus() -> None:

@@ -161,6 +161,29 @@ def test_world_size_one_runs_in_one_process():
     assert course_lib.launch(lambda r, w: (r, w), world_size=1) == [(0, 1)]
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_every_thread_of_a_gloo_rank_runs_under_sched_batch_and_the_launcher_keeps_its_policy(start_method):
+    """launch._schedule_as_batch: gloo's own threads (started by the process group) and a thread the rank's
+    function starts inherit the policy; the launching process (a learner's kernel) is left as it was."""
+    import threading
+
+    def policies(rank, world_size):
+        dist.all_reduce(torch.ones(1))                     # gloo's threads are running
+        started = []
+        thread = threading.Thread(target=lambda: started.append(os.sched_getscheduler(0)))
+        thread.start()
+        thread.join()
+        threads = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+        return threads, started[0]
+
+    before = os.sched_getscheduler(0)
+    for threads, of_new_thread in course_lib.launch(policies, world_size=2, start_method=start_method):
+        assert len(threads) > 1, threads
+        assert set(threads.values()) == {os.SCHED_BATCH} and of_new_thread == os.SCHED_BATCH, threads
+    assert os.sched_getscheduler(0) == before
+
+
 # --------------------------------------------------------------------------------------------------
 # failures
 # --------------------------------------------------------------------------------------------------
