@@ -2,6 +2,7 @@
 
     python benchmarks/rank_scheduling.py                  # 2, 4 and 8 ranks; rings and training; 9 reps
     python benchmarks/rank_scheduling.py --sizes 8 --reps 9
+    python benchmarks/rank_scheduling.py --busy 2 --sizes 4,8   # two busy processes take both cores throughout
 
 Since 2026-11-28 `course_lib.launch` runs every gloo rank under SCHED_BATCH (`launch._schedule_as_batch`). A gloo
 message wakes the receiver's gloo loop thread and then the rank waiting on it; under the default policy each woken
@@ -19,7 +20,9 @@ network). Two workloads:
 
 Per launch: the slowest rank's time (`time.perf_counter`) and the CPU time of all ranks together (`time.process_time`
 of each rank's process, all its threads: what a busy machine, or CI, pays). Printed and written: median and spread
-(min..max) over repetitions, and the ratio default / batch per repetition.
+(min..max) over repetitions, and the ratio default / batch per repetition. `--busy N` starts N processes that
+spin on the CPU for the whole run (as other programs, or CI's other test worker, would) and writes
+`rank_scheduling_busy{N}`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -77,10 +81,24 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4,8", help="world sizes, comma-separated")
     parser.add_argument("--workloads", default="rings,training")
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "rank_scheduling"))
+    parser.add_argument("--busy", type=int, default=0, help="busy processes beside the launches")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                   "rank_scheduling" + (f"_busy{args.busy}" if args.busy else ""))
     if not hasattr(os, "SCHED_BATCH"):
         sys.exit("SCHED_BATCH is Linux's: nothing to compare on this system")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        results = _measure(args)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    _write(args, results, out)
+
+
+def _measure(args) -> list:
     results = []
     for workload in args.workloads.split(","):
         per = RINGS if workload == "rings" else STEPS
@@ -101,9 +119,14 @@ def main() -> None:
                 row[f"ratio_{what}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
             results.append(row)
             print(json.dumps(row), flush=True)
+    return results
+
+
+def _write(args, results, out) -> None:
+    beside = f", {args.busy} busy processes beside the launches throughout" if args.busy else ", nothing else running"
     lines = ["# A launch's ranks under the default scheduling policy or SCHED_BATCH", "",
              f"`python benchmarks/rank_scheduling.py --sizes {args.sizes} --workloads {args.workloads} --reps "
-             f"{args.reps}` on {os.cpu_count()} cores; ms per ring all-reduce of 64 float32 (rings) or per training "
+             f"{args.reps}{f' --busy {args.busy}' if args.busy else ''}` on {os.cpu_count()} cores{beside}; ms per ring all-reduce of 64 float32 (rings) or per training "
              "step (training), median (min..max) over repetitions; wall: the slowest rank, this machine's clock; "
              "CPU: all ranks' processes together; ratio: default / batch per repetition.", "",
              "| workload | ranks | wall: default | wall: batch | wall ratio | CPU: default | CPU: batch | CPU ratio |",
@@ -116,9 +139,9 @@ def main() -> None:
         lines.append(f"| {row['workload']} | {row['world_size']} | {cell(row['default_wall_ms'])} | "
                      f"{cell(row['batch_wall_ms'])} | {cell(row['ratio_wall'])} | {cell(row['default_cpu_ms'])} | "
                      f"{cell(row['batch_cpu_ms'])} | {cell(row['ratio_cpu'])} |")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"reps": args.reps, "results": results}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".json", "w") as f:
+        json.dump({"reps": args.reps, "busy": args.busy, "results": results}, f, indent=1)
+    with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
