@@ -777,6 +777,8 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
     if owns_group:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         backend = course_lib.resolve_backend(backend, world_size, gpus_per_node=local_world)
+        if link is not None and backend != "nccl":
+            backend = "course_lib"       # the modeled clock is a layer of course_lib's backend
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from course_lib import _rankstate, _work
 from course_lib import _maestro
+from course_lib import backend as _backend
 from course_lib import modeled_clock as _clock
 from course_lib import network as _network
 from course_lib.live import LaunchStatus
@@ -156,8 +157,9 @@ def resolve_backend(backend: str, world_size: int, gpus_per_node: int | None = N
     "auto" picks NCCL when there is a GPU for every rank, else gloo on the CPU. Asking for NCCL
     with fewer GPUs than ranks is an error: NCCL needs one GPU per rank.
     """
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    if backend not in ("auto", "gloo", "nccl", _backend.NAME):
+        raise ValueError(f"backend must be 'auto', 'gloo', 'nccl' or {_backend.NAME!r} (gloo through course_lib's "
+                         f"layers), not {backend!r}")
     gpus = _visible_gpu_count()
     need = world_size if gpus_per_node is None else gpus_per_node
     if backend == "auto":
@@ -401,9 +403,10 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
     exitcode = 0
     try:
         torch.set_num_threads(threads)
-        if backend == "gloo":  # CPU ranks; NCCL's are left as torch starts them
+        on_gloo = backend in ("gloo", _backend.NAME)
+        if on_gloo:  # CPU ranks; NCCL's are left as torch starts them
             _schedule_as_batch()
-        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if on_gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
             iface = _loopback_interface()
             if iface:
                 os.environ["GLOO_SOCKET_IFNAME"] = iface
@@ -418,7 +421,6 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
         )
         if network is not None:
             _clock.activate(network, files.network, rank, world_size)
-            _clock.cover_aliases(getattr(fn, "__globals__", {}))  # `from torch.distributed import all_reduce`
         result = fn(rank, world_size, *args, **kwargs)
         _work.finish()  # async collectives still running would race the result (and the barrier below)
         _clock.deactivate()  # this rank's clock stops here; the barrier below is the launcher's, not fn's
@@ -562,7 +564,7 @@ def launch(
     network = None if network is None else _network.Network.parse(network)
     auto = backend == "auto"
     backend = _modeled_backend(backend) if network is not None else resolve_backend(backend, world_size)
-    hide_gpus = auto and backend == "gloo"  # see `backend` above; harmless where there is no GPU
+    hide_gpus = auto and backend in ("gloo", _backend.NAME)  # see `backend` above; harmless where there is no GPU
     if network is not None and network.world_size is not None and world_size > network.world_size:
         raise ValueError(f"world_size={world_size} does not fit the modeled cluster of {network.world_size} ranks "
                          f"({network.describe()}): use at most {network.world_size} ranks or a larger cluster")
@@ -619,11 +621,12 @@ def launch(
 
 
 def _modeled_backend(backend: str) -> str:
-    """The modeled clock runs its ranks on gloo: the data moves on this machine's CPU, the time is the model's."""
-    if backend not in ("auto", "gloo"):
+    """The modeled clock runs its ranks on gloo, through course_lib's backend (`course_lib.backend`), whose layers
+    time every call: the data moves on this machine's CPU, the time is the model's."""
+    if backend not in ("auto", "gloo", _backend.NAME):
         raise ValueError(f"backend={backend!r} with a modeled network: the modeled clock runs the ranks on gloo (the "
                          "time is the model's, whatever carries the data). Leave backend='auto' or say 'gloo'.")
-    return "gloo"
+    return _backend.NAME
 
 
 def _intra_op_threads(method: str, world_size: int) -> int:
@@ -987,6 +990,8 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
     backend = resolve_backend(backend, world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+    if network is not None and backend != "nccl":
+        backend = _backend.NAME      # the modeled clock is a layer of course_lib's backend
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
@@ -1031,7 +1036,6 @@ def _torchrun_network(network, rank: int, world_size: int):
     path = store.get(key).decode()
     dist.barrier()  # the coordinator listens before anyone joins
     _clock.activate(network, path, rank, world_size)
-    _clock.cover_aliases(getattr(sys.modules.get("__main__"), "__dict__", {}))
     return (network, maestro)
 
 

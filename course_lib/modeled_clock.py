@@ -8,17 +8,22 @@ Under ``launch(fn, G, network=net)`` every thread of a rank that communicates ke
 (`course_lib.simulation` says how it moves; `course_lib._maestro` runs the simulation in the launching
 process). Outside a modeled launch `clock()` is `time.perf_counter()` and `compute(s)` sleeps.
 
-What this module does inside a rank:
+What this module does inside a rank: it is a layer of the rank's process group (`course_lib.backend`, which
+a modeled launch initialises), so every call that reaches the network passes it: course_lib's p2p, a
+learner's raw ``dist.isend``, ``batch_isend_irecv``, ``dist.all_reduce`` and the other collectives (timed as
+the schedule NCCL would run, `simulation.collective_time`), and DistributedDataParallel's buckets. For each
+call it
 
-* replaces torch.distributed's ``send`` / ``recv`` / ``isend`` / ``irecv`` (in ``torch.distributed`` and
-  ``distributed_c10d``, so course_lib's p2p, a learner's raw calls and torch's ``batch_isend_irecv`` are all
-  timed) and its collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``, ...: timed
-  as the schedule NCCL would run, `simulation.collective_time`);
-* tells the simulation about each call in a small frame, and for a blocking one waits for its answer;
-* still moves the data for real, underneath: a send hands torch a copy of the tensor (the modeled send
+* tells the simulation in a small frame, and for a blocking one waits for its answer;
+* still moves the data for real, underneath: a send hands gloo a copy of the tensor (the modeled send
   may end before the real one, and the caller may then change the tensor), and a receive is posted to
-  torch when the simulation has matched it, in the order it matched them, so gloo's first-in first-out
-  matching agrees with the model's, receives from any source included.
+  gloo when the simulation has matched it, in the order it matched them, so gloo's first-in first-out
+  matching agrees with the model's, receives from any source included. A collective runs in gloo at
+  once; its `wait()` returns at the model's time, after every member has entered it.
+
+A collective started inside backward (DDP's reducer starts each bucket's all-reduce from C++ and waits for
+them in C++ when backward ends) is waited for on the clock in an autograd callback at the end of that
+backward: `loss.backward()` ends at the modeled time its last bucket's all-reduce ends.
 
 Threads: a rank's second thread (an async collective's worker, a bucket's communication thread) has a
 clock of its own. Work handed from one thread to another carries the giver's clock (`now()` when it is
@@ -30,23 +35,19 @@ modeled clock back (the launch then times out, saying so).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import os
 import queue
 import socket
 import struct
-import sys
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 from course_lib import _maestro as wire
+from course_lib import backend
 from course_lib.simulation import ModeledDeadlock, SimulationError, main_actor
 
 __all__ = ["clock", "compute", "reduction", "now", "catch_up", "idle", "wake", "untimed", "active", "current_network",
@@ -283,11 +284,12 @@ class _ThreadEnd:
 
 
 class _Receive:
-    """A receive torch has not been asked for yet: posted when the simulation matches it."""
-    __slots__ = ("tensor", "group", "tag", "work", "source")
+    """A receive torch has not been asked for yet: posted (`post`, the layers below the clock's) when the
+    simulation matches it."""
+    __slots__ = ("tensor", "group", "tag", "post", "work", "source")
 
-    def __init__(self, tensor, group, tag):
-        self.tensor, self.group, self.tag = tensor, group, tag
+    def __init__(self, tensor, group, tag, post):
+        self.tensor, self.group, self.tag, self.post = tensor, group, tag, post
         self.work = None
         self.source = None
 
@@ -350,7 +352,7 @@ class _RankState:
                 if pending is None or pending.work is not None:
                     continue
                 pending.source = source
-                pending.work = _original["irecv"](pending.tensor, source, group=pending.group, tag=pending.tag)
+                pending.work = pending.post(pending.tensor, pending.group.global_ranks.index(source), pending.tag)
             self.posting.notify_all()
 
     def posted(self, request: int) -> _Receive:
@@ -384,33 +386,15 @@ _state: _RankState | None = None
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.distributed's calls, on the modeled clock
+# torch.distributed's calls, on the modeled clock: a layer of course_lib's backend
 # --------------------------------------------------------------------------------------------------
 
-_original: dict = {}
-P2P_CALLS = ("send", "recv", "isend", "irecv")
 
+class _ModeledRequest(backend.Work):
+    """What a modeled send or receive returns: `wait()` waits for the model's time, then for torch."""
 
-def _group_code(group) -> int:
-    """A number for the process group that is the same on every rank (0 for the default group)."""
-    if group is None or group is distributed_c10d.GroupMember.WORLD:
-        return 0
-    return zlib.crc32(distributed_c10d._get_process_group_name(group).encode()) + 1
-
-
-def _global_peer(group, peer, group_peer):
-    """The global rank torch means by (peer, group_peer): `peer` is global already, `group_peer` is in `group`."""
-    if group_peer is None:
-        return peer
-    if _group_code(group) == 0:
-        return group_peer
-    return dist.get_global_rank(group, group_peer)
-
-
-class _ModeledRequest:
-    """What a modeled isend / irecv returns: `wait()` waits for the model's time, then for torch."""
-
-    def __init__(self, request: int, kind: str, group=None):
+    def __init__(self, request: int, kind: str, group):
+        super().__init__(None)
         self._request, self._kind, self._group = request, kind, group
         self._done = False
         self._source = None        # a receive's sender (global rank)
@@ -419,8 +403,7 @@ class _ModeledRequest:
         if self._done:
             return True
         state = _state
-        link = state.link()
-        detail = link.call(wire.WAIT, self._request)
+        detail = state.link().call(wire.WAIT, self._request)
         self._finish(state, detail, timeout)
         return True
 
@@ -448,16 +431,12 @@ class _ModeledRequest:
     def exception(self):
         return None
 
-    def source_rank(self) -> int:
+    def _source_rank(self) -> int:
         """The sender's rank in the receive's group (as torch's Work)."""
         if self._kind != "recv":
             raise RuntimeError("source_rank() is only for receives")
         self.wait()
-        if _group_code(self._group) == 0:
-            return self._source
-        return distributed_c10d.get_group_rank(self._group, self._source)
-
-    _source_rank = source_rank
+        return self._group.global_ranks.index(self._source)
 
     def result(self):
         self.wait()
@@ -467,233 +446,120 @@ class _ModeledRequest:
 _POLL_SECONDS = 1e-6   # is_completed() that answers False moves the caller's clock on by this much
 
 
-def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    state = _state
-    peer = _global_peer(group, dst, group_dst)
-    copy = tensor.detach().clone()        # the modeled send may end before torch has read the tensor
-    work = _original["isend"](copy, dst, group=group, tag=tag, group_dst=group_dst)
-    state.keep_send(work, copy)
-    request = state.request_id()
-    state.link().send(wire.ISEND, request, a=peer, b=_group_code(group), c=tag,
-                      x=float(tensor.numel() * tensor.element_size()))
-    return _ModeledRequest(request, "send")
+class _ModeledCollective(backend.Work):
+    """What a collective returns: `wait()` waits for the model's time (every member has entered it, plus what
+    its schedule takes), then for torch's collective, which has been running meanwhile."""
 
+    def __init__(self, request: int, under):
+        super().__init__(under)
+        self._request, self._done = request, False
 
-def _irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    state = _state
-    peer = _global_peer(group, src, group_src)
-    if peer is not None and not isinstance(peer, int):
-        peer = int(peer)
-    request = state.request_id()
-    with state.posting:
-        state.receives[request] = _Receive(tensor, group, tag)
-    state.link().send(wire.IRECV, request, a=-1 if peer is None else peer, b=_group_code(group), c=tag,
-                      x=float(tensor.numel() * tensor.element_size()))
-    return _ModeledRequest(request, "recv", group)
-
-
-def _send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    _isend(tensor, dst, group, tag, group_dst).wait()
-
-
-def _recv(tensor, src=None, group=None, tag=0, group_src=None):
-    work = _irecv(tensor, src, group, tag, group_src)
-    work.wait()
-    return work._source        # the sender's global rank, as torch's recv returns
-
-
-_MODELED_P2P = {"send": _send, "recv": _recv, "isend": _isend, "irecv": _irecv}
-
-
-# The built-in collectives: (how to read the call's bytes, its root argument, the collective's kind).
-def _nbytes(tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-_COLLECTIVES = {
-    "all_reduce": ("all_reduce", lambda a: _nbytes(a["tensor"]), None),
-    "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"]), "src"),
-    "reduce": ("reduce", lambda a: _nbytes(a["tensor"]), "dst"),
-    "all_gather": ("all_gather", lambda a: sum(_nbytes(t) for t in a["tensor_list"]), None),
-    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a["output_tensor"]), None),
-    "reduce_scatter": ("reduce_scatter", lambda a: sum(_nbytes(t) for t in a["input_list"]), None),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"]), None),
-    "all_to_all": ("all_to_all", lambda a: sum(_nbytes(t) for t in a["input_tensor_list"]), None),
-    "all_to_all_single": ("all_to_all", lambda a: _nbytes(a["input"]), None),
-    "gather": ("gather", lambda a: _nbytes(a["tensor"]) * _group_size(a.get("group")), "dst"),
-    "scatter": ("scatter", lambda a: _nbytes(a["tensor"]) * _group_size(a.get("group")), "src"),
-    "barrier": ("barrier", lambda a: 0, None),
-    "monitored_barrier": ("barrier", lambda a: 0, None),
-}
-
-
-def _element_size(arguments) -> int:
-    """Bytes per element of the collective's tensor (the pieces of its schedule are cut in whole elements)."""
-    for value in arguments.values():
-        if isinstance(value, torch.Tensor):
-            return value.element_size()
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            return value[0].element_size()
-    return 1
-
-
-def _group_size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _members(group) -> tuple:
-    if group is None or group is distributed_c10d.GroupMember.WORLD:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
-
-
-class _ModeledCollective:
-    """What an async built-in collective returns: `wait()` waits for the model's time, then for torch."""
-
-    def __init__(self, request: int, work):
-        self._request, self._work, self._done = request, work, False
+    def modeled_wait(self) -> None:
+        if not self._done:
+            self._done = True
+            _state.link().call(wire.WAIT, self._request)
 
     def wait(self, timeout=None) -> bool:
-        if not self._done:
-            _state.link().call(wire.WAIT, self._request)
-            self._done = True
-        if self._work is not None:
-            return self._work.wait() if timeout is None else self._work.wait(timeout)
-        return True
+        self.modeled_wait()
+        return super().wait(timeout)
 
     def is_completed(self) -> bool:
-        if self._done:
-            return self._work is None or self._work.is_completed()
-        answer = _state.link().call(wire.TEST, self._request, x=_POLL_SECONDS)
-        if answer:
+        if not self._done:
+            if not _state.link().call(wire.TEST, self._request, x=_POLL_SECONDS):
+                return False
             self._done = True
-        return bool(answer) and (self._work is None or self._work.is_completed())
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+        return super().is_completed()
 
 
-def _collective(name, original):
-    kind, size, root_name = _COLLECTIVES[name]
-    signature = inspect.signature(original)
+def _wait_at_end_of_backward(work: _ModeledCollective) -> None:
+    """A collective started inside backward (DistributedDataParallel's buckets, from its C++ reducer) is waited for
+    by the reducer when backward ends, in C++, where the clock cannot see it. So the modeled wait happens in an
+    autograd callback at the end of that backward instead: every collective this thread started in it, in order."""
+    task = torch._C._current_graph_task_id()
+    pending = getattr(_local, "backward_pending", None)
+    if pending is None or _local.backward_task != task:
+        pending = _local.backward_pending = []
+        _local.backward_task = task
 
-    def call(*args, **kwargs):
-        if getattr(_local, "inside", False) or _state is None:
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
-        group = arguments.get("group")
+        def finish():
+            for started in pending:
+                started.modeled_wait()
+            pending.clear()
+            _local.backward_pending = None
+
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+    pending.append(work)
+
+
+class _ClockLayer:
+    """course_lib's backend layer that times every call (see the module docstring)."""
+
+    def send(self, group, tensor, dst, tag, proceed):
+        state = _state
+        copy = tensor.detach().clone()        # the modeled send may end before torch has read the tensor
+        work = proceed(copy, dst, tag)
+        state.keep_send(work, copy)
+        request = state.request_id()
+        state.link().send(wire.ISEND, request, a=group.global_ranks[dst], b=group.code, c=tag,
+                          x=float(tensor.numel() * tensor.element_size()))
+        return _ModeledRequest(request, "send", group)
+
+    def recv(self, group, tensor, src, tag, proceed):
+        state = _state
+        request = state.request_id()
+        with state.posting:
+            state.receives[request] = _Receive(tensor, group, tag, proceed)
+        state.link().send(wire.IRECV, request, a=-1 if src is None else group.global_ranks[src], b=group.code, c=tag,
+                          x=float(tensor.numel() * tensor.element_size()))
+        return _ModeledRequest(request, "recv", group)
+
+    def collective(self, group, call, proceed):
+        state = _state
         timed = not getattr(_local, "untimed", False)
-        nbytes = size(arguments) if timed else 0
-        root = None
-        if root_name is not None:
-            root = arguments.get(root_name)
-            group_root = arguments.get("group_" + root_name)
-            if group_root is not None:
-                root = _global_peer(group, None, group_root)
-        state = _state
-        code = _group_code(group)
-        members = _members(group)
         request = state.request_id()
-        element = _element_size(arguments)
-        payload = (f"{kind}:{element}" if timed else "sync").encode().ljust(24, b"\0") + \
-            struct.pack(f"<{len(members)}i", *members)
-        link = state.link()
-        link.send(wire.COLLECTIVE, request, a=state.next_sequence(code), b=code, c=-1 if root is None else root,
-                  x=float(nbytes), payload=payload)
-        asynchronous = bool(arguments.get("async_op", False))
-        if not asynchronous:
-            link.call(wire.WAIT, request)        # the model's time first: every member has entered it
-        _local.inside = True
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            _local.inside = False
-        if asynchronous:
-            return _ModeledCollective(request, result)
-        return result
+        payload = (f"{call.kind}:{call.element_size}" if timed else "sync").encode().ljust(24, b"\0") + \
+            struct.pack(f"<{len(group.global_ranks)}i", *group.global_ranks)
+        root = -1 if call.root is None else group.global_ranks[call.root]
+        state.link().send(wire.COLLECTIVE, request, a=state.next_sequence(group.code), b=group.code, c=root,
+                          x=float(call.nbytes if timed else 0), payload=payload)
+        work = _ModeledCollective(request, proceed().under)
+        if torch._C._current_graph_task_id() != -1:
+            _wait_at_end_of_backward(work)
+        return work
 
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = original.__doc__
-    call.__wrapped__ = original
-    return call
-
-
-def _new_group(original):
-    def call(*args, **kwargs):
-        # Making a group connects its members for real: on the modeled clock it is a collective that costs
-        # nothing, so no rank's clock waits for one that is still getting there.
-        if _state is None or getattr(_local, "inside", False):
-            return original(*args, **kwargs)
+    def new_group(self, group, ranks, proceed):
+        # Making a group connects its members for real (and torch lines every rank up in the store first): on the
+        # modeled clock a collective of every rank that costs nothing, so no clock waits for one still on its way.
         state = _state
         request = state.request_id()
-        members = tuple(range(state.world_size))
-        code = -1
-        bound = inspect.signature(original).bind(*args, **kwargs)
-        if bound.arguments.get("use_local_synchronization") and bound.arguments.get("ranks"):
-            members = tuple(sorted(bound.arguments["ranks"]))     # only the members call it, and wait for each other
-            code = -2 - zlib.crc32(repr(members).encode())
+        members = group.global_ranks
         payload = b"sync".ljust(24, b"\0") + struct.pack(f"<{len(members)}i", *members)
         link = state.link()
-        link.send(wire.COLLECTIVE, request, a=state.next_sequence(code), b=code, c=-1, x=0.0, payload=payload)
+        link.send(wire.COLLECTIVE, request, a=state.next_sequence(-1), b=-1, c=-1, x=0.0, payload=payload)
         link.call(wire.WAIT, request)
-        _local.inside = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _local.inside = False
+        proceed()
 
-    call.__name__ = call.__qualname__ = "new_group"
-    call.__wrapped__ = original
-    return call
+
+_LAYER = _ClockLayer()
 
 
 def activate(network, path: str, rank: int, world_size: int) -> None:
-    """Put this rank on the modeled clock (called on every rank, after the process group exists)."""
+    """Put this rank on the modeled clock (called on every rank, after the process group exists): the clock
+    becomes a layer of the rank's process group, which must be course_lib's (`course_lib.backend`)."""
     global _state
     if _state is not None:
         raise RuntimeError("a modeled network is already active in this process")
+    if not backend.active():
+        raise RuntimeError("the modeled clock times calls through course_lib's torch.distributed backend: initialise "
+                           "the process group with backend 'course_lib' (launch(..., network=) does)")
     state = _RankState(network, path, rank, world_size)
     _state = state
-    link = state.link()
-    link._connect()
-    for name in P2P_CALLS:
-        _original[name] = getattr(distributed_c10d, name)
-        for module in (dist, distributed_c10d):
-            setattr(module, name, _MODELED_P2P[name])
-    for name in _COLLECTIVES:
-        if hasattr(distributed_c10d, name):
-            _original[name] = getattr(distributed_c10d, name)
-            wrapped = _collective(name, _original[name])
-            for module in (dist, distributed_c10d):
-                setattr(module, name, wrapped)
-    _original["new_group"] = distributed_c10d.new_group
-    for module in (dist, distributed_c10d):
-        setattr(module, "new_group", _new_group(_original["new_group"]))
-
-
-def cover_aliases(namespace: dict) -> list:
-    """Time torch's calls that `namespace` (a function's globals) holds under names of its own.
-
-    `from torch.distributed import all_reduce` at the top of a notebook binds the function itself, before any
-    launch: replacing `dist.all_reduce` later does not reach that name, and its calls would read no time. Inside
-    a rank (a process of its own) this rebinds such names to the modeled versions. Returns the names it rebound.
-    """
-    if _state is None:
-        return []
-    modeled = {id(original): getattr(dist, name) for name, original in _original.items()}
-    rebound = []
-    for name, value in list(namespace.items()):
-        replacement = modeled.get(id(value))
-        if replacement is not None and replacement is not value:
-            namespace[name] = replacement
-            rebound.append(name)
-    return rebound
+    state.link()._connect()
+    backend.install(_LAYER)
 
 
 def deactivate() -> None:
-    """Take this rank off the modeled clock: tell the simulation it is done, put torch's functions back."""
+    """Take this rank off the modeled clock: tell the simulation it is done, remove the clock's layer."""
     global _state
     state = _state
     if state is None:
@@ -703,16 +569,11 @@ def deactivate() -> None:
     except OSError:
         pass
     state.unsent.put((None, None))         # its sends thread ends once torch has sent what is still queued
-    for name, function in _original.items():
-        for module in (dist, distributed_c10d):
-            setattr(module, name, function)
-    _original.clear()
+    backend.remove(_LAYER)
     for link in list(state.links.values()):
         link.close()
     _state = None
     _local.__dict__.clear()
-
-
 # --------------------------------------------------------------------------------------------------
 # After a launch
 # --------------------------------------------------------------------------------------------------

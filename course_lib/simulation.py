@@ -154,6 +154,7 @@ class Simulator:
         self.unexpected: dict = {}           # rank -> messages arrived before any receive accepted them
         self.posted: dict = {}               # rank -> receives posted and not matched, in post order
         self.collectives: dict = {}          # (group, seq) -> _Collective
+        self.streams: dict = {}              # group -> when its last collective ends
         self.woken: list = []                # (actor, request, time, detail) to hand back from run()
         self.matches: dict = {}              # actor -> [(request, source)] of its receives matched since last asked
         self.notices: list = []              # (actor, request, time): sends that left while nobody waited on them
@@ -291,7 +292,9 @@ class Simulator:
     def collective(self, actor_id: int, clock: float, request_id, group, members, seq: int, kind: str,
                    nbytes: int = 0, root: int | None = None, element_size: int = 1):
         """Enter a built-in collective (`seq`-th on `group`, over global ranks `members`); its request completes,
-        on every member, `collective_time` after the last member entered. Kind 'sync' costs nothing."""
+        on every member, `collective_time` after it starts: when the last member has entered it and the group's
+        previous collective has ended (a communicator runs its collectives one after another, as NCCL runs them
+        in order on one stream). Kind 'sync' costs nothing and waits for nothing but the members."""
         actor = self.sync_clock(actor_id, clock)
         members = tuple(members)
         if actor.rank not in members:
@@ -312,8 +315,11 @@ class Simulator:
         if len(entry.entries) == len(members):
             del self.collectives[key]
             start = max(clock for clock, *_ in entry.entries.values())
-            cost = 0.0 if kind == "sync" else collective_time(self.network, kind, nbytes, members, root,
-                                                               element_size=element_size)
+            cost = 0.0
+            if kind != "sync":
+                start = max(start, self.streams.get(group, 0.0))
+                cost = collective_time(self.network, kind, nbytes, members, root, element_size=element_size)
+                self.streams[group] = start + cost
             for _, _, _, other in entry.entries.values():
                 self._complete(other, start + cost)
         return request

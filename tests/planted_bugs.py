@@ -727,7 +727,7 @@ def avg_padding_and_nan(model):                   # NaN compared with anything i
         parameter.grad.fill_(float("nan"))
 
 
-def avg_padding_and_process_group(model):         # the built-in through the process group, which no tracer swaps
+def avg_padding_and_process_group(model):         # the built-in through the process group's own method
     _padding(model)
     G = dist.get_world_size()
     for parameter in model.parameters():
@@ -884,5 +884,5 @@ WAYS_ROUND = [
     Entry("ring_scatter_reduce", rs_builtin_through_c10d, "torch.distributed.all_reduce"),
     Entry("average_gradients", avg_padding_only, "carried the gradients of rank"),
     Entry("average_gradients", avg_padding_and_nan, "is nan"),
-    Entry("average_gradients", avg_padding_and_process_group, "carried the gradients of rank"),
+    Entry("average_gradients", avg_padding_and_process_group, "the process group's all_reduce"),
 ]

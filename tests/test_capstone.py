@@ -28,7 +28,7 @@ def _record(rank, world_size, name):
 @pytest.mark.parametrize("world_size", [3, 4, 8])
 def test_the_replay_of_the_course_schedules_is_the_models_time(world_size):
     for name in ALGORITHMS:
-        events = course_lib.launch(_record, world_size, args=(name,))
+        events = course_lib.launch(_record, world_size, args=(name,), backend="course_lib")
         for link in capstone.LINKS:
             timing = capstone.replay(events, link)
             assert timing.seconds == pytest.approx(link.predict(name, 4 * NUMEL, world_size), rel=1e-9), (name, link)

@@ -13,6 +13,7 @@ import pathlib
 import re
 import sys
 import time
+import types
 
 import matplotlib
 
@@ -278,21 +279,22 @@ def test_the_tracer_leaves_the_rule_out_where_it_cannot_pair_sends_with_receives
 
     from course_lib.exercises.tracing import TAG_STRIDE, Tracer
 
+    world, subgroup = types.SimpleNamespace(code=0), types.SimpleNamespace(code=7)
     tracer = Tracer()
-    assert tracer._post("recv", 1, 0, {}) == ("recv", 1, 0, 1)
-    assert tracer._post("recv", 1, 0, {}) == ("recv", 1, 0, 2)
-    assert tracer._post("send", 1, 3, {}) == ("send", 1, 3, 1) and not tracer.unmatched
+    assert tracer._post("recv", 1, 0, world) == ("recv", 1, 0, 1)
+    assert tracer._post("recv", 1, 0, world) == ("recv", 1, 0, 2)
+    assert tracer._post("send", 1, 3, world) == ("send", 1, 3, 1) and not tracer.unmatched
     def unmatched_after(act):
         fresh = Tracer()
         act(fresh)
         return fresh.unmatched
-    assert unmatched_after(lambda t: t._post("recv", None, 0, {}))                        # any source
-    assert unmatched_after(lambda t: t._post("send", 1, 0, {"group": object()}))          # a subgroup
-    assert unmatched_after(lambda t: t._post("send", 1, TAG_STRIDE, {}))                  # a tag beyond the case
-    assert not unmatched_after(lambda t: t._post("send", 1, TAG_STRIDE - 1, {}))
+    assert unmatched_after(lambda t: t._post("recv", None, 0, world))                     # any source
+    assert unmatched_after(lambda t: t._post("send", 1, 0, subgroup))                     # a subgroup
+    assert unmatched_after(lambda t: t._post("send", 1, TAG_STRIDE, world))               # a tag beyond the case
+    assert not unmatched_after(lambda t: t._post("send", 1, TAG_STRIDE - 1, world))
 
     def from_another_thread(t):
-        worker = threading.Thread(target=lambda: t._post("send", 1, 0, {}))
+        worker = threading.Thread(target=lambda: t._post("send", 1, 0, world))
         worker.start()
         worker.join()
     assert unmatched_after(from_another_thread)

@@ -53,15 +53,13 @@ yours takes at most 1/0.9 of it on both. The score depends on the schedule alone
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
 
-from course_lib import viz
+from course_lib import backend, viz
 from course_lib.exercises import data
 from course_lib.exercises.cases import clone
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
@@ -821,116 +819,87 @@ def _missing_why(layout, rank, holds) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-class _Done:
-    """What a recorded isend / irecv returns: its wait() is logged as ('wait', index)."""
+class _Recorder:
+    """A layer of course_lib's backend that logs one rank's point-to-point calls in the form `simulation.replay`
+    reads; under `backend.recording` nothing moves (a receive leaves its buffer as it is)."""
 
-    def __init__(self, recorder, index):
-        self._recorder, self._index, self._waited = recorder, index, False
+    def __init__(self):
+        self.events = []
 
-    def wait(self, *args, **kwargs):
-        if not self._waited:
+    def _log(self, op, tensor, peer, tag):
+        self.events.append((op, int(peer), tensor.numel() * tensor.element_size(), int(tag or 0)))
+        return len(self.events) - 1
+
+    def send(self, group, tensor, dst, tag, proceed):
+        called = backend.caller()
+        index = self._log("send" if called == "send" else "isend", tensor, group.global_ranks[dst], tag)
+        return _Logged(proceed(tensor, dst, tag), self, None if called == "send" else index)
+
+    def recv(self, group, tensor, src, tag, proceed):
+        if src is None:
+            raise RuntimeError("record_schedule: a receive from any source cannot be replayed: name the sender")
+        called = backend.caller()
+        index = self._log("recv" if called == "recv" else "irecv", tensor, group.global_ranks[src], tag)
+        return _Logged(proceed(tensor, src, tag), self, None if called == "recv" else index)
+
+
+class _Logged(backend.Work):
+    """What a recorded isend / irecv returns: its first wait() is logged as ('wait', index)."""
+
+    def __init__(self, under, recorder, index):
+        super().__init__(under)
+        self._recorder, self._index = recorder, index
+
+    def wait(self, timeout=None):
+        if self._index is not None:
             self._recorder.events.append(("wait", self._index))
-            self._waited = True
+            self._index = None
         return True
 
     def is_completed(self):
         self.wait()
         return True
 
-    def is_success(self):
-        return True
-
-
-class _Recorder:
-    """Stands in for torch.distributed on one rank, in this process: every point-to-point call is logged in the
-    form `simulation.replay` reads, no data moves (a receive leaves its buffer as it is)."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size, self.events = rank, world_size, []
-
-    def _log(self, op, tensor, peer, tag):
-        if peer is None:
-            raise RuntimeError("record_schedule: a receive from any source cannot be replayed: name the sender")
-        self.events.append((op, int(peer), tensor.numel() * tensor.element_size(), int(tag or 0)))
-        return len(self.events) - 1
-
-    def send(self, tensor, dst=None, group=None, tag=0, group_dst=None):
-        self._log("send", tensor, dst if dst is not None else group_dst, tag)
-
-    def recv(self, tensor, src=None, group=None, tag=0, group_src=None):
-        peer = src if src is not None else group_src
-        self._log("recv", tensor, peer, tag)
-        return peer
-
-    def isend(self, tensor, dst=None, group=None, tag=0, group_dst=None):
-        return _Done(self, self._log("isend", tensor, dst if dst is not None else group_dst, tag))
-
-    def irecv(self, tensor, src=None, group=None, tag=0, group_src=None):
-        return _Done(self, self._log("irecv", tensor, src if src is not None else group_src, tag))
-
-    def get_rank(self, group=None):
-        return self.rank
-
-    def get_world_size(self, group=None):
-        return self.world_size
-
-    def refuse(self, name):
-        def call(*args, **kwargs):
-            raise RuntimeError(f"record_schedule times point-to-point messages only; the function called "
-                               f"torch.distributed.{name}")
-        return call
-
-
-@contextlib.contextmanager
-def _standing_in(recorder):
-    import torch.distributed as dist
-
-    from course_lib import p2p
-
-    names = {"send": recorder.send, "recv": recorder.recv, "isend": recorder.isend, "irecv": recorder.irecv,
-             "get_rank": recorder.get_rank, "get_world_size": recorder.get_world_size,
-             "is_initialized": lambda: True, "barrier": lambda *a, **k: None}
-    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "all_to_all", "gather",
-                 "scatter", "batch_isend_irecv"):
-        names[name] = recorder.refuse(name)
-    saved = {name: getattr(dist, name) for name in names}
-    cache = dict(p2p._world_cache)
-    try:
-        for name, value in names.items():
-            setattr(dist, name, value)
-        p2p._world_cache.clear()
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(dist, name, value)
-        p2p._world_cache.clear()
-        p2p._world_cache.update(cache)
+    def _source_rank(self):
+        return -1
 
 
 def record_schedule(fn, world_size: int, numel: int, *args, device: str = "meta") -> list:
     """Every rank's point-to-point calls when `fn(tensor, *args)` runs on `world_size` ranks with `numel` float32
-    elements each, recorded in this process, rank after rank, without launching anything: for each rank,
-    torch.distributed's send / recv / isend / irecv (and get_rank, get_world_size) are stood in for, and nothing
-    moves. The tensors are torch's 'meta' tensors (a shape and no data: 64 MiB costs nothing), or empty CPU
-    tensors when the function mixes in CPU tensors of its own (it is then run again that way).
+    elements each, recorded in this process, rank after rank, without launching anything: each rank runs in a
+    process group of course_lib's backend that moves nothing (`course_lib.backend.recording`), whose layer logs
+    every send and receive. The tensors are torch's 'meta' tensors (a shape and no data: 64 MiB costs nothing),
+    or empty CPU tensors when the function mixes in CPU tensors of its own (it is then run again that way).
 
     Returns the schedule in the form `simulation.replay(events_by_rank, network)` times. Only for functions whose
     messages do not depend on the values they receive, as an all-reduce's do not; the values computed are
-    meaningless (a receive leaves its buffer untouched). A built-in collective raises RuntimeError.
+    meaningless (a receive leaves its buffer untouched). A built-in collective, or a receive from any source,
+    raises RuntimeError.
     """
+    from course_lib import p2p
     from course_lib._checks import unchecked
 
+    refusal = "record_schedule times point-to-point messages only"
     events_by_rank = []
     for rank in range(world_size):
         for where in ((device, "cpu") if device != "cpu" else ("cpu",)):
-            recorder = _Recorder(rank, world_size)
+            recorder = _Recorder()
+            cache = dict(p2p._world_cache)
             try:
-                with _standing_in(recorder), unchecked():
-                    fn(torch.empty(numel, dtype=torch.float32, device=where), *args)
+                with backend.recording(rank, world_size, refusal), unchecked():
+                    p2p._world_cache.clear()
+                    backend.install(recorder, outermost=True)
+                    try:
+                        fn(torch.empty(numel, dtype=torch.float32, device=where), *args)
+                    finally:
+                        backend.remove(recorder)
             except (RuntimeError, NotImplementedError) as exc:
                 if isinstance(exc, NotImplementedError) or where == "cpu" or "record_schedule" in str(exc):
                     raise
                 continue          # a CPU tensor of the function's own met a meta one: once more on the CPU
+            finally:
+                p2p._world_cache.clear()
+                p2p._world_cache.update(cache)
             events_by_rank.append(recorder.events)
             break
     return events_by_rank

@@ -448,7 +448,7 @@ def run_batch(exercise_name: str, fn, world_size: int, cases, inputs, first_inde
         backstop = case_timeout * (len(cases) + 1) + 10
         error = _launch_quietly(_rank_main, world_size,
                                 args=(exercise_name, fn, list(cases), list(inputs), first_index, workdir, case_timeout),
-                                backend="gloo", timeout=backstop)
+                                backend="course_lib", timeout=backstop)
         indices = range(first_index, first_index + len(cases))
         records = {i: [_load(workdir, i, r) for r in range(world_size)] for i in indices}
         stuck = {i: [_load(workdir, i, r, "stuck") for r in range(world_size)] for i in indices}

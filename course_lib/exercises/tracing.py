@@ -1,24 +1,25 @@
 """Watch a learner's function from inside a rank: every message it sent, and what the message carried.
 
 The check cannot trust the learner's own labels (chunk=, phase, step), so it traces one level lower,
-at `torch.distributed` itself. While a `Tracer` is active on a rank:
+in the rank's process group: a `Tracer` is a layer of course_lib's torch.distributed backend
+(`course_lib.backend`), which the check's launch uses. While it is active on a rank:
 
-* ``dist.send / recv / isend / irecv`` are wrapped. `course_lib.p2p` calls them by attribute, so one
-  wrapper sees a learner who uses p2p and one who calls torch.distributed directly. A send is logged
-  with a copy of the data it carried, taken at send time; a receive with its peer and size. The
-  wrappers also write the rank's status line (`course_lib._rankstate`), so a deadlock in a raw
-  ``dist.recv`` is explained like one in `p2p.recv`, and they add ``case * TAG_STRIDE`` to the tag:
-  a message a broken case left behind can never be received by the next case.
-* the built-in collectives (``dist.all_reduce``, ``broadcast``, ``all_gather``, ``batch_isend_irecv``,
-  ...) and course_lib's own implementations (`course_lib.collectives`, `course_lib.allreduce`,
+* every send and receive passes it, however it was made: `course_lib.p2p`, ``dist.send / recv / isend /
+  irecv``, a name imported with ``from torch.distributed import send``. A send is logged with a copy of
+  the data it carried, taken at send time; a receive with its peer and size. The layer also writes the
+  rank's status line (`course_lib._rankstate`), so a deadlock in a raw ``dist.recv`` is explained like one
+  in `p2p.recv`, and it adds ``case * TAG_STRIDE`` to the tag: a message a broken case left behind can
+  never be received by the next case.
+* the built-in collectives (``dist.all_reduce``, ``broadcast``, ``all_gather``, ...), the calls made of
+  messages that an exercise asks the learner to write (``batch_isend_irecv``, the object calls), and
+  course_lib's own implementations (`course_lib.collectives`, `course_lib.allreduce`,
   `course_lib.fast_allreduce`, and for the training exercise `course_lib.training`) raise `ForbiddenCall`:
-  an exercise is to write them. The built-ins are refused in ``torch.distributed`` and in
-  ``torch.distributed.distributed_c10d``, where torch defines them (``dist.distributed_c10d.all_reduce``
-  is no way round). Names the learner imported directly (``from
-  torch.distributed import send``) are found in the function's globals and swapped too; a course_lib
-  implementation reached any other way is still caught, because every message it sends passes the
-  wrapper, which looks at the call stack.
+  an exercise is to write them. A collective is refused when it reaches the process group, whichever
+  name it was called by; a course_lib implementation is refused by name and, reached any other way,
+  by its messages: the layer looks at the call stack.
 * what the learner prints goes to a `CappedWriter` (kept up to a limit, counted beyond it).
+
+Nothing in ``torch.distributed`` is replaced.
 
 Everything is undone when the tracer exits. Outside a launched rank nothing here is used.
 """
@@ -35,10 +36,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 import course_lib
-from course_lib import _rankstate
+from course_lib import _rankstate, backend
 
 __all__ = ["Message", "ForbiddenCall", "CappedWriter", "Tracer", "learner_frame", "describe_line", "is_learner_file", "TAG_STRIDE",
            "FORBIDDEN_BUILTINS", "forbidden_description"]
@@ -191,20 +191,26 @@ def _called_from_checks() -> bool:
     return False
 
 
+def _elements(numel: int) -> str:
+    return f"{numel} element{'s' if numel != 1 else ''}"
+
+
 def _deliver(landing, tensor) -> None:
     """Copy what arrived in a landing buffer into the learner's receive buffer (no-op without one)."""
     if landing is not None:
         tensor.view(-1).copy_(landing[: tensor.numel()])
 
 
-class _TracedWork:
-    """Stands in for the Work object an isend/irecv returns: `wait()` sets the status line, and an
-    irecv's message is copied from its landing buffer into the learner's tensor once it has arrived."""
+class _TracedWork(backend.Work):
+    """The Work a traced send or receive returns: `wait()` sets the status line, and a receive's message is
+    copied from its landing buffer into the learner's tensor once it has arrived."""
 
-    def __init__(self, work, tracer, call, peer, description, landing=None, tensor=None, event=None, match=None):
-        self._work, self._tracer, self._blocked = work, tracer, (call, peer, description, match)
+    def __init__(self, under, tracer, call, peer, description, landing=None, tensor=None, event=None, match=None,
+                 arrived=None):
+        super().__init__(under)
+        self._tracer, self._blocked = tracer, (call, peer, description, match)
         self._landing, self._tensor = landing, tensor
-        self._event = event
+        self._event, self._on_arrival = event, arrived
 
     def _arrived(self):
         _deliver(self._landing, self._tensor)
@@ -212,33 +218,35 @@ class _TracedWork:
         if self._event is not None:   # the first wait (or completed poll) is when the program learnt it was done
             self._tracer.events.append(("wait", self._event))
             self._event = None
+        if self._on_arrival is not None:
+            arrived, self._on_arrival = self._on_arrival, None
+            arrived(self)
 
-    def wait(self, *args, **kwargs):
+    def wait(self, timeout=None):
         with self._tracer.failures_unmatch(), self._tracer.blocked_in(*self._blocked):
-            result = self._work.wait(*args, **kwargs)
+            result = super().wait(timeout)
         self._arrived()
         return result
 
     def is_completed(self):
-        done = self._work.is_completed()
+        done = super().is_completed()
         if done:
             self._arrived()
         return done
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 class Tracer:
     """Trace, police and quieten one learner call on this rank (a context manager).
 
+    A layer of course_lib's torch.distributed backend (`course_lib.backend`): the launch must have made the
+    process group with it (``launch(..., backend="course_lib")``, as the exercise checks do).
+
     Args:
         case_index: which case of the launch this is; offsets the tags.
         forbidden_modules: course_lib modules the learner must not call ('collectives', 'allreduce',
             'training').
-        namespaces: dicts (e.g. the learner function's ``__globals__``) in which names bound to the
-            original torch.distributed functions or to forbidden course_lib functions are swapped
-            for the tracer's versions while it is active.
+        namespaces: dicts (e.g. the learner function's ``__globals__``) in which names bound to forbidden
+            course_lib functions are swapped for refusals while the tracer is active.
         print_limit: characters of the learner's printing to keep.
 
     After the block: ``messages`` (list of `Message`), ``printed`` (a `CappedWriter`), ``events`` (every call in
@@ -300,7 +308,7 @@ class Tracer:
             self.unmatched = True
             raise
 
-    # -- wrappers ---------------------------------------------------------------------------------
+    # -- the backend layer ------------------------------------------------------------------------
 
     def _landing(self, tensor):
         """A zeroed buffer with room for the largest message of the case, for a receive into `tensor`.
@@ -320,91 +328,87 @@ class Tracer:
             return None
         return torch.zeros(room, dtype=tensor.dtype, device=tensor.device)
 
-    def _post(self, direction: str, peer, tag, arguments):
+    def _post(self, direction: str, peer, tag, group):
         """Count a send or receive as posted; returns its `match` (see `blocked`), or None when the pairing of sends
         with receives cannot be known (see `unmatched`)."""
-        group = arguments.get("group")
-        if (not isinstance(peer, int) or isinstance(peer, bool) or not isinstance(tag, int)
-                or not 0 <= tag < TAG_STRIDE or threading.get_ident() != self._thread
-                or (group is not None and group is not dist.GroupMember.WORLD)):
+        if (peer is None or not 0 <= tag < TAG_STRIDE or threading.get_ident() != self._thread or group.code != 0):
             self.unmatched = True
             return None
         self.posted[(direction, peer, tag)] += 1
         return direction, peer, tag, self.posted[(direction, peer, tag)]
 
-    def _check_allowed(self):
+    def _refuse_forbidden(self, called: str) -> None:
+        """ForbiddenCall if the learner reached this message or collective through something the exercise forbids."""
+        if called in FORBIDDEN_BUILTINS and not _called_from_checks():
+            raise ForbiddenCall(f"torch.distributed.{called}")
         name = _course_lib_function(self.forbidden_modules)
         if name is not None:
             raise ForbiddenCall(name)
 
-    def _p2p_wrapper(self, name, original):
-        signature = inspect.signature(original)
-        peer_name = "dst" if name in ("send", "isend") else "src"
-        tracer = self
+    def send(self, group, tensor, dst, tag, proceed):
+        called = backend.caller() or "isend"
+        self._refuse_forbidden(called)
+        name = "send" if called == "send" else "isend"
+        peer = dst if group.code == 0 else group.global_ranks[dst]
+        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
+        match = self._post("send", peer, tag, group)
+        with self.failures_unmatch():           # counted above: if it fails, the count may be wrong
+            data = tensor.detach().clone().cpu() if self.keep_data else None
+            self.messages.append(Message(name, peer, numel, data, tag))
+            event = len(self.events)
+            self.events.append((name, peer, nbytes, tag))
+            work = proceed(tensor, dst, tag + self.case_index * TAG_STRIDE)
+        description = f"{name}(dst={peer}, {_elements(numel)}" + (f", tag={tag}" if tag else "") + ")"
+        if name == "isend":
+            return _TracedWork(work, self, "isend.wait", peer, f"isend.wait(dst={peer}, {_elements(numel)})",
+                               event=event, match=match)
+        return _TracedWork(work, self, "send", peer, description, match=match)
 
-        def wrapper(*args, **kwargs):
-            tracer._check_allowed()
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            tensor, peer = bound.arguments["tensor"], bound.arguments.get(peer_name)
-            if peer is None:
-                peer = bound.arguments.get("group_" + peer_name)
-            tag = bound.arguments.get("tag") or 0
-            bound.arguments["tag"] = tag + tracer.case_index * TAG_STRIDE
-            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
-            description = (f"{name}({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''}"
-                           + (f", tag={tag}" if tag else "") + ")")
-            nbytes = numel * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-            match = tracer._post("send" if name in ("send", "isend") else "recv", peer, tag, bound.arguments)
-            with tracer.failures_unmatch():      # counted above: if it fails, the count may be wrong
-                if name in ("send", "isend"):
-                    kept = isinstance(tensor, torch.Tensor) and tracer.keep_data
-                    data = tensor.detach().clone().cpu() if kept else None
-                    tracer.messages.append(Message(name, peer, numel, data, tag))
-                event = len(tracer.events)
-                if name != "recv":            # a blocking receive is logged once it knows its sender
-                    tracer.events.append((name, peer, nbytes, tag))
-                if name == "send":
-                    with tracer.blocked_in(name, peer, description, match):
-                        return original(*bound.args, **bound.kwargs)
-                landing = tracer._landing(tensor) if name in ("recv", "irecv") else None
-                if landing is not None:
-                    bound.arguments["tensor"] = landing
-                if name == "recv":
-                    with tracer.blocked_in(name, peer, description, match):
-                        sender = original(*bound.args, **bound.kwargs)
-                    _deliver(landing, tensor)
-                    tracer.messages.append(Message("recv", sender if peer is None else peer, numel, None, tag))
-                    tracer.events.append(("recv", sender if peer is None else peer, nbytes, tag))
-                    return sender
-                work = original(*bound.args, **bound.kwargs)
-                if name == "irecv":
-                    tracer.messages.append(Message("irecv", peer, numel, None, tag))
-                if work is None:
-                    return work
-                return _TracedWork(work, tracer, f"{name}.wait", peer,
-                                   f"{name}.wait({peer_name}={peer}, {numel} element{'s' if numel != 1 else ''})",
-                                   landing=landing, tensor=tensor, event=event, match=match)
+    def recv(self, group, tensor, src, tag, proceed):
+        called = backend.caller() or "irecv"
+        self._refuse_forbidden(called)
+        name = "recv" if called == "recv" else "irecv"
+        peer = None if src is None else (src if group.code == 0 else group.global_ranks[src])
+        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
+        match = self._post("recv", peer, tag, group)
+        with self.failures_unmatch():
+            landing = self._landing(tensor)
+            event = len(self.events)
+            if name == "irecv":
+                self.events.append(("irecv", peer, nbytes, tag))
+                self.messages.append(Message("irecv", peer, numel, None, tag))
+            work = proceed(tensor if landing is None else landing, src, tag + self.case_index * TAG_STRIDE)
+        if name == "irecv":
+            return _TracedWork(work, self, "irecv.wait", peer, f"irecv.wait(src={peer}, {_elements(numel)})",
+                               landing=landing, tensor=tensor, event=event, match=match)
 
-        wrapper.__name__ = wrapper.__qualname__ = name
-        wrapper.__doc__ = original.__doc__
-        wrapper.__wrapped__ = original
-        return wrapper
+        def arrived(traced):           # a blocking receive is logged once it knows its sender
+            sender = peer
+            if sender is None:
+                sender = traced._source_rank()
+                sender = sender if group.code == 0 else group.global_ranks[sender]
+            self.messages.append(Message("recv", sender, numel, None, tag))
+            self.events.append(("recv", sender, nbytes, tag))
+
+        description = f"recv(src={peer}, {_elements(numel)}" + (f", tag={tag}" if tag else "") + ")"
+        return _TracedWork(work, self, "recv", peer, description, landing=landing, tensor=tensor, match=match,
+                           arrived=arrived)
+
+    def collective(self, group, call, proceed):
+        called = backend.caller()
+        if not _called_from_checks():
+            raise ForbiddenCall(f"torch.distributed.{called}" if called else f"the process group's {call.kind}")
+        return proceed()
+
+    # -- context manager --------------------------------------------------------------------------
 
     @staticmethod
-    def _refusal(what, original=None):
+    def _refusal(what):
         def refuse(*args, **kwargs):
-            if original is not None and _called_from_checks():
-                # course_lib's argument guard (course_lib._checks) agrees on a few integers with
-                # built-in collectives inside functions the exercise allows (course_lib.p2p is checked
-                # elsewhere; forbidden course_lib functions are refused by name and by their messages).
-                return original(*args, **kwargs)
             raise ForbiddenCall(what)
 
         refuse.__name__ = what.rsplit(".", 1)[-1]
         return refuse
-
-    # -- context manager --------------------------------------------------------------------------
 
     def _swap(self, owner, name, value):
         if isinstance(owner, dict):
@@ -415,29 +419,15 @@ class Tracer:
             setattr(owner, name, value)
 
     def __enter__(self):
+        if not backend.active():
+            raise RuntimeError("Tracer watches the calls of course_lib's torch.distributed backend: launch the ranks "
+                               "with launch(..., backend='course_lib')")
         self._thread = threading.get_ident()
-        replacements = {}  # id(original object) -> replacement
-        for name in P2P_CALLS:
-            original = getattr(dist, name)
-            replacements[id(original)] = self._p2p_wrapper(name, original)
-        # Building a batch of P2P operations is the first step of batch_isend_irecv.
-        replacements[id(dist.P2POp)] = self._refusal("torch.distributed.batch_isend_irecv (its P2POp)")
-        for name in FORBIDDEN_BUILTINS:
-            if hasattr(dist, name):
-                original = getattr(dist, name)
-                replacements[id(original)] = self._refusal(f"torch.distributed.{name}", original)
-        for name in (*P2P_CALLS, "P2POp", *FORBIDDEN_BUILTINS):
-            if id(getattr(dist, name, None)) in replacements:
-                self._swap(dist, name, replacements[id(getattr(dist, name))])
-        # torch.distributed re-exports the built-ins distributed_c10d defines: refuse them there too, so that
-        # dist.distributed_c10d.all_reduce is no way round. (Not send/recv: c10d's own send calls its isend,
-        # and a message would be traced twice.)
-        c10d = dist.distributed_c10d
-        for name in ("P2POp", *FORBIDDEN_BUILTINS):
-            if id(getattr(c10d, name, None)) in replacements:
-                self._swap(c10d, name, replacements[id(getattr(c10d, name))])
         import importlib
 
+        # Forbidden course_lib functions are refused by name (their messages would be refused anyway, by the
+        # stack the layer reads; a name refuses at once, even a call that sends nothing).
+        replacements = {}  # id(original object) -> replacement
         for module_name in self.forbidden_modules:
             module = importlib.import_module(f"course_lib.{module_name}")
             for name in getattr(module, "__all__", ()):
@@ -450,7 +440,9 @@ class Tracer:
             for name, value in list(namespace.items()):
                 if id(value) in replacements and not isinstance(value, (int, str)):
                     self._swap(namespace, name, replacements[id(value)])
+        backend.install(self, outermost=True)
         self._exit_stack = contextlib.ExitStack()
+        self._exit_stack.callback(backend.remove, self)
         self._exit_stack.enter_context(contextlib.redirect_stdout(self.printed))
         self._exit_stack.enter_context(contextlib.redirect_stderr(self.printed))
         return self

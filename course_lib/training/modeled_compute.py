@@ -35,16 +35,32 @@ them), as a layer of that shape takes on an accelerator running at that rate::
 The rows the delays are computed for need not be the rows the model really computes on: the gradients'
 size, which is what the network carries, does not depend on the batch, so a notebook can model the
 compute of a large per-GPU batch while this machine works on a few samples.
+
+Compute from FLOPs, for any model and any training script: inside ``with flop_compute(peak_flops):`` every
+torch operation the thread runs (forward, and backward when it is called inside the block) costs its
+floating-point operations, counted by the formulas of torch's own `torch.utils.flop_counter`
+(`FlopCounterMode`'s registry: matrix products, convolutions, attention), divided by `peak_flops`. A plain
+DistributedDataParallel script then reads a step time on the modeled clock, its buckets' all-reduces
+overlapping the backward that is still running::
+
+    with flop_compute(989e12, scale=65536 / 16):     # an H100's BF16 peak; 16 rows computed, 65,536 modeled
+        loss = ddp_model(x).sum()
+        loss.backward()
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from course_lib import modeled_clock as _clock
 
-__all__ = ["ComputeDelay", "with_compute_delays", "linear_flops", "model_flops", "with_flops_compute"]
+__all__ = ["ComputeDelay", "with_compute_delays", "linear_flops", "model_flops", "with_flops_compute", "flop_compute",
+           "FlopClock"]
 
 
 class _Delay(torch.autograd.Function):
@@ -156,3 +172,49 @@ def with_flops_compute(model: nn.Sequential, samples: int, peak_flops: float) ->
         if index in delays:
             layers.append(ComputeDelay(*delays[index]))
     return nn.Sequential(*layers)
+
+
+class FlopClock(TorchDispatchMode):
+    """A dispatch mode that charges each torch operation its FLOPs at `peak_flops` on this thread's modeled clock
+    (see `flop_compute`). `flops` counts what it charged, `scale` included."""
+
+    def __init__(self, peak_flops: float, scale: float = 1.0):
+        super().__init__()
+        for name, value in (("peak_flops", peak_flops), ("scale", scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        self.peak_flops, self.scale = float(peak_flops), float(scale)
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            flops = count(*args, **kwargs, out_val=out) * self.scale
+            if flops:
+                self.flops += flops
+                _clock.compute(flops / self.peak_flops)
+        return out
+
+
+@contextlib.contextmanager
+def flop_compute(peak_flops: float, scale: float = 1.0):
+    """Inside the block, every torch operation of this thread costs its FLOPs / `peak_flops` of compute on the
+    modeled clock (`course_lib.compute`; outside a modeled launch it sleeps that long).
+
+    FLOPs are counted as `torch.utils.flop_counter.FlopCounterMode` counts them (its formulas: 2 m n k for a
+    matrix product of (m, k) and (k, n), likewise convolutions and attention; element-wise operations count 0,
+    as there). Backward is charged when it runs inside the block, layer by layer as autograd runs it, so
+    gradients become ready, and DDP's buckets start, when an accelerator of that peak would have them.
+
+    Args:
+        peak_flops: floating-point operations per second (989e12: an H100 SXM's dense BF16 peak, datasheet).
+        scale: FLOPs charged per FLOP computed: the modeled batch over the batch this machine computes
+            (the gradients, which the network carries, do not depend on the batch).
+
+    Yields the `FlopClock` (its `flops` is what was charged).
+    """
+    mode = FlopClock(peak_flops, scale)
+    with mode:
+        yield mode
