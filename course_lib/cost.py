@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from course_lib.network import PRESETS as _PRESETS
+
 __all__ = ["Model", "MODELS", "model_for", "predict", "Fit", "fit", "fit_results", "fit_all", "crossover_bytes",
            "Link", "NVLINK4_H100", "INFINIBAND_NDR", "LINKS", "Prediction", "extrapolate",
            "HierarchicalPrediction", "hierarchical_ring"]
@@ -372,23 +374,18 @@ class Link:
         return 1 / self.bandwidth
 
 
-# Bandwidths are vendor figures; the per-step latencies are round, order-of-magnitude assumptions
-# (no datasheet states "one step of a collective"), so treat the small-size end of any plot as rough.
-NVLINK4_H100 = Link(
-    name="NVLink 4 between H100 SXM GPUs, 450 GB/s per direction",
-    alpha=2e-6,
-    bandwidth=450e9,
-    source=("NVIDIA H100 SXM datasheet: 900 GB/s NVLink per GPU, counted in both directions together, "
-            "so 450 GB/s each way. alpha = 2 us per step is an assumption of this course (order of "
-            "magnitude of a GPU-to-GPU message step), not a datasheet figure."),
-)
-INFINIBAND_NDR = Link(
-    name="InfiniBand NDR, one 400 Gb/s port per GPU (50 GB/s per direction)",
-    alpha=5e-6,
-    bandwidth=50e9,
-    source=("NVIDIA ConnectX-7 user manual: single-port NDR 400 Gb/s = 50 GB/s per direction. "
-            "alpha = 5 us per step (network plus software) is an assumption of this course, not a datasheet figure."),
-)
+# The links of `course_lib.network.PRESETS` (one place for their figures and sources): the bandwidth a copy achieves
+# on each, and its latency as alpha. The per-step latencies are round, order-of-magnitude assumptions (no datasheet
+# states "one step of a collective"), so treat the small-size end of any plot as rough.
+def _from_preset(name: str, title: str) -> "Link":
+    preset = _PRESETS[name]
+    return Link(name=title, alpha=preset.latency, bandwidth=preset.bandwidth,
+                source=f"course_lib.network.PRESETS[{name!r}]: {preset.source}. alpha is its latency, an assumption of "
+                       "this course (order of magnitude of a message step), not a datasheet figure.")
+
+
+NVLINK4_H100 = _from_preset("nvlink4", "NVLink 4 between H100 SXM GPUs, 370 GB/s achieved per direction")
+INFINIBAND_NDR = _from_preset("ib_ndr", "InfiniBand NDR, one 400 Gb/s port per GPU (48 GB/s achieved per direction)")
 LINKS = {"nvlink4": NVLINK4_H100, "ib_ndr": INFINIBAND_NDR}
 
 

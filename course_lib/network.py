@@ -84,8 +84,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-__all__ = ["Network", "Cluster", "PRESETS", "parse_bandwidth", "parse_latency", "current", "last_launch",
+__all__ = ["Network", "Cluster", "PRESETS", "Preset", "parse_bandwidth", "parse_latency", "current", "last_launch",
            "LaunchStats", "report_late"]
 
 
@@ -159,6 +160,9 @@ def _format_latency(latency: float) -> str:
 # --------------------------------------------------------------------------------------------------
 
 TOPOLOGIES = ("switch", "full")
+# What a link is. NVLink and PCIe join the GPUs of one node (NCCL treats them as one node's fabric); the others join
+# nodes. "network": a link given by its figures alone, a network between nodes.
+KINDS = ("network", "ethernet", "roce", "infiniband", "pcie", "nvlink")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,10 @@ class Network:
         memory_bandwidth: None (the default): adding chunks costs nothing. A bandwidth ("3.35 TB/s", an H100's
             HBM3): every reduction course_lib's all-reduces make (`ops.combine_`) costs 3 n / memory_bandwidth
             of compute for n bytes (read two, write one), as a reduction kernel bound by memory does.
+        kind: what the link is: 'network' (the default: a link between nodes given by its figures), 'ethernet',
+            'roce', 'infiniband', or 'nvlink' / 'pcie' (a node's own fabric: NCCL's model of torch's collectives
+            then treats the ranks as GPUs of one node, `course_lib.nccl`). Presets set it.
+        wire: the line rate, where `bandwidth` is what a copy achieves on it (presets set both); None otherwise.
 
     Example::
 
@@ -197,9 +205,15 @@ class Network:
     name: str = ""
     count_cpu: bool = False
     memory_bandwidth: float | None = None
+    kind: str = "network"
+    wire: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth))
+        if self.wire is not None:
+            object.__setattr__(self, "wire", parse_bandwidth(self.wire))
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)} (what the link is), not {self.kind!r}")
         if self.memory_bandwidth is not None:
             object.__setattr__(self, "memory_bandwidth", parse_bandwidth(self.memory_bandwidth))
         object.__setattr__(self, "latency", parse_latency(self.latency))
@@ -215,8 +229,10 @@ class Network:
                 f"topology={self.topology!r}{label}{cpu}{memory})")
 
     def describe(self) -> str:
-        """One line: '100 MB/s, 200 us, switch' (with the preset's name in front, if any)."""
-        text = f"{_format_bandwidth(self.bandwidth)}, {_format_latency(self.latency)}, {self.topology}"
+        """One line: '100 MB/s, 200 us, switch' (with the preset's name in front, if any, and the wire rate after
+        the achieved one: 'ib_ndr (48 GB/s of 50 GB/s wire, 5 us, switch)')."""
+        wire = f" of {_format_bandwidth(self.wire)} wire" if self.wire and self.wire != self.bandwidth else ""
+        text = f"{_format_bandwidth(self.bandwidth)}{wire}, {_format_latency(self.latency)}, {self.topology}"
         if self.count_cpu:
             text += ", + CPU time"
         if self.memory_bandwidth:
@@ -254,15 +270,26 @@ class Network:
         if name not in PRESETS:
             raise ValueError(f"no network preset called {name!r}; known: {', '.join(PRESETS)}. Or give the figures: "
                              "Network(bandwidth='100 MB/s', latency='200 us')")
-        bandwidth, latency, default_topology, _source = PRESETS[name]
-        return cls(bandwidth, latency, topology or default_topology, name)
+        preset = PRESETS[name]
+        return cls(preset.bandwidth, preset.latency, topology or preset.topology, name, kind=preset.kind,
+                   wire=preset.wire)
 
     @classmethod
     def parse(cls, text: str) -> "Network":
         """A network from one string, as the benchmark's --network takes it: a preset's name, or
-        'BANDWIDTH[, LATENCY[, TOPOLOGY]]', e.g. '100 MB/s, 200 us' or '1 GB/s, 5 us, full'."""
+        'BANDWIDTH[, LATENCY[, TOPOLOGY]]', e.g. '100 MB/s, 200 us' or '1 GB/s, 5 us, full', or a cluster
+        'NODESxPER_NODE:INTRA,INTER[,NICS]', e.g. '8x8:nvlink4,ib_ndr' or '4x8:nvlink3,ib_hdr,per_node'."""
         if isinstance(text, (Network, Cluster)):
             return text
+        shape, colon, links = str(text).partition(":")
+        if colon and re.fullmatch(r"\s*\d+\s*x\s*\d+\s*", shape):
+            nodes, per_node = (int(n) for n in shape.split("x"))
+            parts = [p.strip() for p in links.split(",") if p.strip()]
+            if len(parts) not in (2, 3):
+                raise ValueError(f"cluster {text!r}: write 'NODESxPER_NODE:INTRA,INTER[,NICS]', e.g. "
+                                 "'8x8:nvlink4,ib_ndr'")
+            nics = parts[2] if len(parts) == 3 else "per_gpu"
+            return Cluster(nodes, per_node, parts[0], parts[1], int(nics) if nics.isdigit() else nics)
         parts = [p.strip() for p in str(text).split(",") if p.strip()]
         if len(parts) == 1 and parts[0] in PRESETS:
             return cls.preset(parts[0])
@@ -366,37 +393,84 @@ def _simulated(network, algorithm, nbytes, world_size, element_size=4, segment_b
     return seconds
 
 
-# Named links. Bandwidths are the standard line rates or vendor figures, per direction; latencies are
-# round order-of-magnitude assumptions of this course (one-way, small message, through the software
-# stack that usually drives such a link), not datasheet figures.
+class Preset(NamedTuple):
+    """A named link: `bandwidth` is what a point-to-point copy achieves on it (bytes/s per direction), which the
+    model uses for every algorithm alike (a learner's ring and NCCL's run on the same link); `wire` is the line
+    rate, for comparison. `kind` says what the link is ('nvlink', 'pcie', 'infiniband', 'roce', 'ethernet')."""
+
+    bandwidth: float
+    latency: float
+    topology: str
+    source: str
+    wire: float
+    kind: str
+
+
+# Named links. `bandwidth` is the rate a point-to-point copy achieves (a published measurement, or a derivation
+# from the standard where none was found, said so); latencies are round order-of-magnitude assumptions of this
+# course (one-way, small message, through the software stack that usually drives such a link), not datasheet
+# figures. The derivations of the two Ethernet rates: a 1500-byte frame carries 1448 bytes of TCP payload (20 bytes
+# of IPv4 header, 32 of TCP with timestamps: RFC 791, 793, 7323) and takes 1538 bytes of wire time (preamble 8,
+# header 14, check sequence 4, interframe gap 12: IEEE 802.3), so TCP goodput is 1448/1538 = 94.1% of the line rate.
+_TCP_GOODPUT = 1448 / 1538
 PRESETS = {
-    "1GbE": (125e6, 50e-6, "switch",
-             "Gigabit Ethernet (IEEE 802.3ab): 1 Gbit/s = 125 MB/s each way; 50 us one-way through kernel TCP and "
-             "a switch (an assumption)"),
-    "10GbE": (1.25e9, 20e-6, "switch",
-              "10 Gigabit Ethernet (IEEE 802.3ae): 10 Gbit/s = 1.25 GB/s each way; 20 us one-way (an assumption)"),
-    "roce100": (12.5e9, 5e-6, "switch",
-                "100 Gigabit Ethernet with RoCE v2 (IEEE 802.3ba/bj line rate): 12.5 GB/s each way; 5 us one-way "
-                "with RDMA (an assumption)"),
-    "roce400": (50e9, 5e-6, "switch",
-                "400 Gigabit Ethernet with RoCE v2 (IEEE 802.3bs line rate): 50 GB/s each way; 5 us (an assumption)"),
-    "ib_ndr": (50e9, 5e-6, "switch",
-               "InfiniBand NDR, one 400 Gb/s port per GPU (ConnectX-7 user manual): 50 GB/s each way; 5 us, as "
-               "course_lib.cost.INFINIBAND_NDR"),
-    "ib_xdr": (100e9, 5e-6, "switch",
-               "InfiniBand XDR, one 800 Gb/s port per GPU (ConnectX-8 SuperNIC product brief): 100 GB/s each way; "
-               "5 us (an assumption)"),
-    "pcie4": (31.5e9, 2e-6, "switch",
-              "PCIe 4.0 x16 (PCI-SIG: 16 GT/s per lane, 128b/130b encoding): 31.5 GB/s each way; 2 us through the "
-              "host (an assumption)"),
-    "pcie5": (63e9, 2e-6, "switch",
-              "PCIe 5.0 x16 (PCI-SIG: 32 GT/s per lane, 128b/130b encoding): 63 GB/s each way; 2 us (an assumption)"),
-    "nvlink4": (450e9, 2e-6, "switch",
-                "NVLink 4 between H100 SXM GPUs through NVSwitch (H100 datasheet: 900 GB/s both ways together): "
-                "450 GB/s each way; 2 us, as course_lib.cost.NVLINK4_H100"),
-    "nvlink5": (900e9, 2e-6, "switch",
-                "NVLink 5 between B200 GPUs through NVSwitch (DGX B200 datasheet: 1.8 TB/s both ways together per "
-                "GPU): 900 GB/s each way; 2 us (an assumption)"),
+    "1GbE": Preset(125e6 * _TCP_GOODPUT, 50e-6, "switch",
+                   "Gigabit Ethernet (IEEE 802.3ab): 1 Gbit/s = 125 MB/s each way on the wire; TCP achieves 94.1% of "
+                   "it (117.7 MB/s: framing and headers, derived above); 50 us one-way through kernel TCP and a switch "
+                   "(an assumption)", 125e6, "ethernet"),
+    "10GbE": Preset(1.25e9 * _TCP_GOODPUT, 20e-6, "switch",
+                    "10 Gigabit Ethernet (IEEE 802.3ae): 10 Gbit/s = 1.25 GB/s each way on the wire; TCP achieves 94.1% "
+                    "of it (1.177 GB/s, derived above); 20 us one-way (an assumption)", 1.25e9, "ethernet"),
+    "roce100": Preset(12e9, 5e-6, "switch",
+                      "100 Gigabit Ethernet with RoCE v2 (IEEE 802.3ba/bj): 12.5 GB/s each way on the wire; NCCL reaches "
+                      "12 GB/s per 100G NIC (NVIDIA, NVIDIA/nccl-tests#119: '12 GB/s for 100G NICs'); 5 us one-way "
+                      "with RDMA (an assumption)", 12.5e9, "roce"),
+    "roce400": Preset(48e9, 5e-6, "switch",
+                      "400 Gigabit Ethernet with RoCE v2 (IEEE 802.3bs): 50 GB/s each way on the wire; ConnectX-7 NICs "
+                      "at 400G reach 48 GB/s in NCCL (NVIDIA, NVIDIA/nccl-tests#267, a RoCE cluster: 'up to 48-49GB/s "
+                      "per NIC'); 5 us (an assumption)", 50e9, "roce"),
+    "roce200": Preset(24e9, 5e-6, "switch",
+                      "200 Gigabit Ethernet with RoCE v2 (IEEE 802.3bs): 25 GB/s each way on the wire; NCCL reaches 24 "
+                      "GB/s per 200G NIC (NVIDIA, NVIDIA/nccl-tests#119: '24GB/s is the peak performance per 200G NIC'); "
+                      "5 us (an assumption)", 25e9, "roce"),
+    "ib_hdr": Preset(24e9, 5e-6, "switch",
+                     "InfiniBand HDR, one 200 Gb/s port per GPU (ConnectX-6): 25 GB/s each way on the wire; NCCL reaches "
+                     "24 GB/s per NIC (NVIDIA, NVIDIA/nccl-tests#119: '24GB/s is the peak performance per 200G NIC'; "
+                     "a DGX A100's 8 of them give 192 GB/s of all-reduce bus bandwidth, NVIDIA/nccl#812); 5 us "
+                     "(an assumption)", 25e9, "infiniband"),
+    "ib_ndr": Preset(48e9, 5e-6, "switch",
+                     "InfiniBand NDR, one 400 Gb/s port per GPU (ConnectX-7 user manual): 50 GB/s each way on the wire; "
+                     "NCCL reaches 48 GB/s per NIC (NVIDIA, NVIDIA/nccl-tests#267: 'up to 48-49GB/s per NIC', #290: "
+                     "'46-48GB/s per NIC'); 5 us (an assumption)", 50e9, "infiniband"),
+    "ib_xdr": Preset(96e9, 5e-6, "switch",
+                     "InfiniBand XDR, one 800 Gb/s port per GPU (ConnectX-8 SuperNIC product brief): 100 GB/s each way "
+                     "on the wire; no published NCCL figure was found: 96 GB/s is NDR's 96% of the line rate, carried "
+                     "over (and a PCIe Gen5 host cannot feed it: the card is Gen6); 5 us (an assumption)", 100e9,
+                     "infiniband"),
+    "pcie4": Preset(25e9, 2e-6, "switch",
+                    "PCIe 4.0 x16 (PCI-SIG: 16 GT/s per lane, 128b/130b encoding): 31.5 GB/s each way on the wire; a "
+                    "copy reaches about 25 GB/s (an A100's host-to-device copy, 25.1 GB/s; nvbandwidth's README, "
+                    "26.0); 2 us through the host (an assumption)", 31.5e9, "pcie"),
+    "pcie5": Preset(53e9, 2e-6, "switch",
+                    "PCIe 5.0 x16 (PCI-SIG: 32 GT/s per lane, 128b/130b encoding): 63 GB/s each way on the wire; a copy "
+                    "reaches about 53 GB/s (an H100's device-to-host copy, 52.8 GB/s); 2 us (an assumption)", 63e9,
+                    "pcie"),
+    "nvlink3": Preset(230e9, 2e-6, "switch",
+                      "NVLink 3 between A100 SXM GPUs through NVSwitch (12 links of 25 GB/s each way: 300 GB/s on the "
+                      "wire); NCCL's copies reach about 230 GB/s (NVIDIA, NVIDIA/nccl-tests#149: 'the total effective "
+                      "bandwidth should therefore be 240GB/s on A100, but some other bottlenecks on the GPUs limits it "
+                      "to ~230GB/s'); 2 us (an assumption)", 300e9, "nvlink"),
+    "nvlink4": Preset(370e9, 2e-6, "switch",
+                      "NVLink 4 between H100 SXM GPUs through NVSwitch (H100 datasheet: 900 GB/s both ways together, "
+                      "450 GB/s each way on the wire); NCCL's copies reach 370 GB/s (NVIDIA, NVIDIA/nccl-tests#212: "
+                      "'With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s'; "
+                      "p2pBandwidthLatencyTest reads 371-377, NVIDIA/nccl#1264); 2 us (an assumption)",
+                      450e9, "nvlink"),
+    "nvlink5": Preset(722e9, 2e-6, "switch",
+                      "NVLink 5 between B200 GPUs through NVSwitch (DGX B200 datasheet: 1.8 TB/s both ways together, "
+                      "900 GB/s each way on the wire); no published copy rate was found: 722 GB/s is NCCL's own figure "
+                      "for it (18 links of 40.1 GB/s, SM100_NVLINK_BW in NCCL 2.30's src/graph/topo.h; 80% of the wire, "
+                      "as NVLink 4's 370 of 450); 2 us (an assumption)", 900e9, "nvlink"),
 }
 
 
@@ -461,9 +535,11 @@ class Cluster:
                 raise ValueError(f"{field_name} must be a whole number >= 1, got {value!r}")
         object.__setattr__(self, "intra", _as_link(self.intra, "intra"))
         object.__setattr__(self, "inter", _as_link(self.inter, "inter"))
-        if self.nics not in NICS:
-            raise ValueError(f"nics must be 'per_gpu' (a network card per rank, rail-optimised) or 'per_node' (one "
-                             f"card a node's ranks share), not {self.nics!r}")
+        if self.nics not in NICS and not (isinstance(self.nics, int) and not isinstance(self.nics, bool)
+                                          and 1 <= self.nics <= self.per_node and self.per_node % self.nics == 0):
+            raise ValueError(f"nics must be 'per_gpu' (a network card per rank, rail-optimised), 'per_node' (one "
+                             f"card a node's ranks share) or a number of cards per node that divides per_node="
+                             f"{self.per_node}, not {self.nics!r}")
 
     @property
     def world_size(self) -> int:
@@ -475,7 +551,7 @@ class Cluster:
 
     def describe(self) -> str:
         text = (f"{self.nodes} x {self.per_node} ranks; inside a node {self.intra.describe()}; between nodes "
-                f"{self.inter.describe()}, one card per {'rank' if self.nics == 'per_gpu' else 'node'}")
+                f"{self.inter.describe()}, {self._cards_text()}")
         if self.count_cpu:
             text += "; + CPU time"
         return f"{self.name} ({text})" if self.name else text
@@ -491,14 +567,26 @@ class Cluster:
     def with_memory_bandwidth(self, bandwidth) -> "Cluster":
         return replace(self, memory_bandwidth=bandwidth)
 
+    @property
+    def cards(self) -> int:
+        """Network cards per node."""
+        return self.per_node if self.nics == "per_gpu" else 1 if self.nics == "per_node" else self.nics
+
+    def _cards_text(self) -> str:
+        if self.nics == "per_gpu":
+            return "one card per rank"
+        return "one card per node" if self.cards == 1 else f"{self.cards} cards per node"
+
+    def card(self, rank: int) -> tuple:
+        """The network card `rank` sends and receives through: (node, card index)."""
+        return self.node(rank), (rank % self.per_node) * self.cards // self.per_node
+
     def route(self, src: int, dst: int) -> tuple:
         """(bandwidth, latency, outgoing side, incoming side or None) of a message from `src` to `dst`."""
         if self.node(src) == self.node(dst):
             bandwidth, latency, out_side, in_side = self.intra.route(src, dst)
             return bandwidth, latency, ("intra",) + out_side, None if in_side is None else ("intra",) + in_side
-        per_gpu = self.nics == "per_gpu"
-        return (self.inter.bandwidth, self.inter.latency, ("card_out", src if per_gpu else self.node(src)),
-                ("card_in", dst if per_gpu else self.node(dst)))
+        return self.inter.bandwidth, self.inter.latency, ("card_out", self.card(src)), ("card_in", self.card(dst))
 
     def predict(self, algorithm: str, nbytes: int, world_size: int | None = None, element_size: int = 4,
                 segment_bytes: int | None = None) -> float:
