@@ -12,6 +12,12 @@ From a terminal, on local ranks started here, or under torchrun (one process per
 
     python -m course_lib.bench --sizes 1KiB,1MiB,16MiB --world-sizes 2,4 --json out.json --plot out.png
     torchrun --nproc-per-node 4 -m course_lib.bench --sizes 16MiB,64MiB
+    python -m course_lib.bench --nccl-tests --network 8x8:nvlink4,ib_ndr --sizes 8,1MiB,1GiB --tuning
+
+The last prints, launching nothing, what nccl-tests' ``all_reduce_perf`` would print on that modeled cluster
+(torch's all-reduce as `course_lib.nccl` says NCCL runs it), in all_reduce_perf's own columns, so a real cluster's
+output can be held beside it; `nccl_tests(network, sizes)` does the same from Python, and `Results.nccl_tests()`
+prints a launched run's rows in those columns.
 
 How one measurement is made (inside every rank, for every size):
 
@@ -78,7 +84,8 @@ from course_lib import modeled_clock as _clock
 from course_lib import network as network_module
 
 __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUSBW_FACTORS",
-           "VARIANTS", "ALL_VARIANTS", "parse_bytes", "format_bytes", "spread", "machine_description", "main"]
+           "VARIANTS", "ALL_VARIANTS", "parse_bytes", "format_bytes", "spread", "machine_description", "main",
+           "nccl_tests", "nccl_tests_line"]
 
 # The hand-written variants of course_lib.allreduce, then PyTorch's own all-reduce for comparison.
 VARIANTS = ("naive", "parameter_server", "ring", "builtin")
@@ -349,6 +356,17 @@ class Results(list):
             lines.append(line)
         return "\n".join(lines)
 
+    def nccl_tests(self, variant: str = "builtin") -> str:
+        """`variant`'s rows in nccl-tests' columns (median time), one block per world size."""
+        blocks = []
+        for g in sorted({r.world_size for r in self if r.variant == variant}):
+            lines = [f"# {variant} on {g} ranks (median of {len(self.where(variant, g)[0].seconds)} calls)",
+                     _NCCL_TESTS_HEADER]
+            for r in self.where(variant, g):
+                lines.append(nccl_tests_line(r.nbytes, r.median, g, wrong=0 if r.correct else 1))
+            blocks.append("\n".join(lines))
+        return "\n\n".join(blocks)
+
     def to_markdown(self, reference: str | None = None, title: str = "All-reduce: measured",
                     meta: dict | None = None) -> str:
         """A short markdown report: the machine, then one table per (world size, size).
@@ -492,6 +510,64 @@ class Results(list):
         if path is not None:
             fig.savefig(path, dpi=120)
         return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# nccl-tests' own columns
+# --------------------------------------------------------------------------------------------------
+
+_NCCL_TESTS_HEADER = (
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong\n"
+    "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)       ")
+
+
+def _nccl_tests_number(value: float) -> str:
+    """A time or bandwidth as nccl-tests prints it (fewer decimals as it grows: 12.90, 326.6, 31289)."""
+    if value >= 10000:
+        return f"{value:.0f}"
+    if value >= 1000:
+        return f"{value:.1f}"
+    return f"{value:.2f}" if value < 100 else f"{value:.1f}"
+
+
+def nccl_tests_line(nbytes: int, seconds: float, world_size: int, collective: str = "all_reduce",
+                    dtype: str = "float", wrong="N/A") -> str:
+    """One line of nccl-tests' output (the out-of-place columns): size, count, type, redop, root, time (us),
+    algbw and busbw (GB/s), #wrong."""
+    element = torch.empty((), dtype=getattr(torch, "float32" if dtype == "float" else dtype)).element_size()
+    redop = "sum" if collective in ("all_reduce", "reduce_scatter", "reduce") else "none"
+    root = 0 if collective in ("broadcast", "reduce") else -1
+    al = algbw(nbytes, seconds)
+    bus = busbw(al, world_size, collective)
+    return (f"{nbytes:>12} {nbytes // element:>13} {dtype:>9} {redop:>7} {root:>7} {_nccl_tests_number(seconds * 1e6):>8} "
+            f"{al:>7.2f} {bus:>7.2f} {wrong!s:>6}")
+
+
+def nccl_tests(network, sizes=("8", "1KiB", "64KiB", "1MiB", "64MiB", "1GiB"), world_size: int | None = None,
+               collective: str = "all_reduce", tuning: bool = False) -> str:
+    """What nccl-tests' ``all_reduce_perf`` (or all_gather_perf, ...) would print on the modeled `network`: torch's
+    collective as `course_lib.nccl` says NCCL runs it, in nccl-tests' columns, so a real cluster's output can be
+    read beside it. `tuning=True` adds, before each line, the line NCCL logs for the call with NCCL_DEBUG=INFO
+    NCCL_DEBUG_SUBSYS=TUNING (algorithm, protocol, channels), and the modeled time.
+
+    Example::
+
+        >>> print(bench.nccl_tests("8x8:nvlink4,ib_ndr", ["1MiB", "1GiB"]))
+    """
+    from course_lib import nccl
+
+    network = network_module.Network.parse(network)
+    g = world_size or network.world_size
+    if g is None:
+        raise ValueError("a plain network fits any number of ranks: say how many (world_size=8)")
+    lines = [f"# nccl-tests' columns for {collective} on the model: {network.describe()}, {g} ranks", _NCCL_TESTS_HEADER]
+    for size in sizes:
+        nbytes = parse_bytes(size)
+        choice = nccl.collective(network, collective, nbytes, range(g))
+        if tuning:
+            lines.append(f"# {choice}")
+        lines.append(nccl_tests_line(nbytes, choice.seconds, g, collective))
+    return "\n".join(lines)
 
 
 def _cpu_cells(r: Result) -> tuple[str, str]:
@@ -846,12 +922,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arg-checks", action="store_true",
                         help="time course_lib's cross-rank argument check too, as a learner's call has it")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--nccl-tests", action="store_true",
+                        help="with --network and no ranks launched: print what nccl-tests' all_reduce_perf would on "
+                             "the model (torch's all-reduce as NCCL runs it), in its columns; --world-sizes for a "
+                             "plain network, --tuning for NCCL's TUNING line of each call")
+    parser.add_argument("--tuning", action="store_true", help="with --nccl-tests: NCCL's algorithm, protocol, channels")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     sizes = _comma_list(args.sizes)
+    if args.nccl_tests:
+        if args.network is None:
+            raise SystemExit("--nccl-tests prints the model's figures: give --network (e.g. 8x8:nvlink4,ib_ndr)")
+        world_sizes = [int(g) for g in _comma_list(args.world_sizes)] if args.world_sizes else [None]
+        for g in world_sizes:
+            print(nccl_tests(args.network, sizes, g, tuning=args.tuning))
+        return 0
     if course_lib.under_torchrun():
         world_sizes = None if args.world_sizes is None else [int(g) for g in _comma_list(args.world_sizes)]
     else:

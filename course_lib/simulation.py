@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 
 from course_lib.schedules import schedule
 
-__all__ = ["Simulator", "SimulationError", "ModeledDeadlock", "ScheduleError", "replay", "Timing", "schedule",
+__all__ = ["Simulator", "SimulationError", "ModeledDeadlock", "ScheduleError", "replay", "replay_threads", "Timing",
+           "schedule",
            "collective_time", "COLLECTIVES", "RUNNING", "BLOCKED", "PARKED", "DONE"]
 
 RUNNING, BLOCKED, PARKED, DONE = "running", "blocked", "parked", "done"
@@ -579,82 +580,100 @@ def replay(events_by_rank, network) -> Timing:
     Raises:
         ScheduleError: a receive that no send matches, a wait on something that is not a request.
     """
-    world_size = len(events_by_rank)
-    sim = Simulator(network, world_size)
-    scripts = [list(events) for events in events_by_rank]
-    position = [0] * world_size
-    unwaited = [dict() for _ in range(world_size)]   # event index -> request id
-    clock = [0.0] * world_size
-    blocked = [False] * world_size
-    finished = [False] * world_size
+    return replay_threads([[events] for events in events_by_rank], network)
 
-    def step(rank) -> None:
-        """Run rank's script until it blocks or ends."""
-        actor = main_actor(rank)
-        script = scripts[rank]
-        while position[rank] < len(script):
-            index = position[rank]
+
+def replay_threads(threads_by_rank, network) -> Timing:
+    """`replay` for ranks that run several threads at once: `threads_by_rank[r]` is a list of scripts, one per
+    thread of rank r (each in `replay`'s form, its waits indexing its own list). The threads of a rank share its
+    links; a rank is done when all its threads are. (NCCL's tree sends chunks up and down at the same time from
+    two groups of threads; `course_lib.nccl` times it this way.)"""
+    world_size = len(threads_by_rank)
+    sim = Simulator(network, world_size)
+    actors = [(rank, index, list(events)) for rank, scripts in enumerate(threads_by_rank)
+              for index, events in enumerate(scripts)]
+    ids = [main_actor(rank) | index for rank, index, _ in actors]
+    position = [0] * len(actors)
+    unwaited = [dict() for _ in actors]   # event index -> request id
+    clock = [0.0] * len(actors)
+    blocked = [False] * len(actors)
+    finished = [False] * len(actors)
+    which = {actor_id: k for k, actor_id in enumerate(ids)}
+    for k, (rank, index, _) in enumerate(actors):
+        if index:
+            sim.actor(ids[k], 0.0)
+
+    def step(k) -> None:
+        """Run actor k's script until it blocks or ends."""
+        rank, thread, script = actors[k]
+        actor = ids[k]
+        while position[k] < len(script):
+            index = position[k]
             event = script[index]
-            position[rank] += 1
+            position[k] += 1
             kind = event[0]
             if kind in ("send", "isend", "recv", "irecv"):
                 _, peer, nbytes, tag = event
-                request_id = (rank, index)
+                request_id = (rank, thread, index)
                 try:
                     if kind in ("send", "isend"):
-                        sim.isend(actor, clock[rank], request_id, peer, nbytes, 0, tag)
+                        sim.isend(actor, clock[k], request_id, peer, nbytes, 0, tag)
                     else:
                         if peer is None:
                             raise ScheduleError(f"rank {rank} received from any source: the timing needs every "
                                                 "receive to name its sender (dist.recv(buffer, src))")
-                        sim.irecv(actor, clock[rank], request_id, peer, nbytes, 0, tag)
+                        sim.irecv(actor, clock[k], request_id, peer, nbytes, 0, tag)
                 except SimulationError as exc:
                     raise ScheduleError(str(exc)) from None
                 if kind in ("send", "recv"):
-                    sim.wait(actor, clock[rank], request_id)
-                    blocked[rank] = True
+                    sim.wait(actor, clock[k], request_id)
+                    blocked[k] = True
                     return
-                unwaited[rank][index] = request_id
+                unwaited[k][index] = request_id
             elif kind == "wait":
-                request_id = unwaited[rank].pop(event[1], None)
+                request_id = unwaited[k].pop(event[1], None)
                 if request_id is None:
                     continue          # a wait on a request already waited for, or not a p2p one: nothing to do
-                sim.wait(actor, clock[rank], request_id)
-                blocked[rank] = True
+                sim.wait(actor, clock[k], request_id)
+                blocked[k] = True
                 return
             else:
                 raise ScheduleError(f"rank {rank}: unknown event {event!r}")
-        if unwaited[rank]:           # still in flight at the end: the rank is done when they are
-            request_id = unwaited[rank].pop(min(unwaited[rank]))
-            sim.wait(actor, clock[rank], request_id)
-            blocked[rank] = True
+        if unwaited[k]:           # still in flight at the end: the thread is done when they are (oldest first)
+            request_id = unwaited[k].pop(next(iter(unwaited[k])))
+            sim.wait(actor, clock[k], request_id)
+            blocked[k] = True
             return
-        finished[rank] = True
+        finished[k] = True
         sim.finish(actor)
 
-    for rank in range(world_size):
-        step(rank)
+    for k in range(len(actors)):
+        step(k)
     while not all(finished):
         woken = sim.run()
         if not woken:
             stuck = sim.deadlock()
-            waiting = [r for r in range(world_size) if blocked[r]]
-            rank = waiting[0] if waiting else 0
-            event = scripts[rank][position[rank] - 1] if position[rank] else None
+            waiting = [k for k in range(len(actors)) if blocked[k]]
+            k = waiting[0] if waiting else 0
+            rank, _, script = actors[k]
+            event = script[position[k] - 1] if position[k] else None
             peer = event[1] if event and event[0] in ("recv", "irecv") else None
             if event and event[0] == "wait":
-                peer = scripts[rank][event[1]][1]
+                peer = script[event[1]][1]
             raise ScheduleError(f"rank {rank} waits for a message from rank {peer if peer is not None else '?'} that "
                                 f"was never sent in the recorded schedule ({stuck or 'nothing left to run'})")
         for actor_id, _request, when, _detail in sorted(woken):
-            rank = actor_rank(actor_id)
-            clock[rank] = max(clock[rank], when)
-            blocked[rank] = False
-            step(rank)
-    hops = [sim.actors[main_actor(r)].hops for r in range(world_size)]
-    last = max(range(world_size), key=lambda r: clock[r]) if world_size else 0
+            k = which[actor_id]
+            clock[k] = max(clock[k], when)
+            blocked[k] = False
+            step(k)
+    per_rank = [0.0] * world_size
+    for k, (rank, _, _) in enumerate(actors):
+        per_rank[rank] = max(per_rank[rank], clock[k])
+    last = max(range(len(actors)), key=lambda k: clock[k]) if actors else 0
+    hops = sim.actors[ids[last]].hops if actors else 0
     busiest = max((max(o, i) for o, i in zip(sim.bytes_out, sim.bytes_in)), default=0)
-    return Timing(max(clock, default=0.0), hops[last] if world_size else 0, busiest, list(clock))
+    return Timing(max(per_rank, default=0.0), hops, busiest, per_rank)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -665,18 +684,11 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatte
                "scatter", "barrier")
 
 
-# Which schedule torch's built-in collective is timed with under a modeled launch (NCCL's, for the ones it has):
-# an all-reduce takes the faster of the ring and the tree for its size, as NCCL's tuner picks by its own model.
-_SCHEDULES = {
-    "all_reduce": ("ring", "tree"),
-    "broadcast": ("chain",),
-    "reduce": ("chain_reduce",),
-    "all_gather": ("ring_all_gather",),
-    "reduce_scatter": ("ring_reduce_scatter",),
-    "all_to_all": ("pairwise",),
-    "gather": ("direct_gather",),
-    "scatter": ("direct_scatter",),
-}
+# torch's built-in collectives that NCCL runs as collectives take what `course_lib.nccl` says NCCL would run (its
+# tuner's choice of algorithm and protocol, simulated message by message); the others NCCL builds from point-to-point
+# messages, timed here as those messages.
+_NCCL = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
+_SCHEDULES = {"all_to_all": "pairwise", "gather": "direct_gather", "scatter": "direct_scatter"}
 
 _cache: dict = {}
 
@@ -687,26 +699,29 @@ def collective_time(network, kind: str, nbytes: int, members, root: int | None =
 
     `nbytes`: the tensor's bytes for all_reduce, broadcast and reduce; the whole buffer (G pieces) for
     all_gather, reduce_scatter, all_to_all, gather and scatter; pieces are cut in whole elements of `element_size`
-    bytes. A barrier costs nothing: the clocks only line up.
-    With `with_algorithm=True`, returns (seconds, the schedule's name).
+    bytes. A barrier costs nothing: the clocks only line up. all_reduce, broadcast, reduce, all_gather and
+    reduce_scatter take NCCL's choice (`course_lib.nccl.collective`); the others their point-to-point schedule.
+    With `with_algorithm=True`, returns (seconds, what ran: 'ring/LL128', 'nvls/Simple', 'pairwise', ...).
     """
     members = tuple(members)
     if kind == "barrier" or len(members) <= 1:
         return (0.0, "none") if with_algorithm else 0.0
-    if kind not in _SCHEDULES:
+    if kind not in _NCCL and kind not in _SCHEDULES:
         raise ValueError(f"no model for the collective {kind!r}; known: {', '.join(COLLECTIVES)}")
-    key = (network, kind, int(nbytes), members, root, element_size)
-    best = _cache.get(key)
-    if best is None:
-        group_root = members.index(root) if root in members else 0
-        placed = _Placed(network, members)
-        options = []
-        for algorithm in _SCHEDULES[kind]:
-            events = schedule(algorithm, int(nbytes), len(members), root=group_root, element_size=element_size)
-            options.append((replay(events, placed).seconds, algorithm))
-        best = _cache[key] = min(options)
-        if len(_cache) > 4096:
-            _cache.clear()
+    group_root = members.index(root) if root in members else 0
+    if kind in _NCCL:
+        from course_lib import nccl
+
+        choice = nccl.collective(network, kind, nbytes, members, root=group_root, element_size=element_size)
+        best = (choice.seconds, f"{choice.algorithm}/{choice.protocol}")
+    else:
+        key = (network, kind, int(nbytes), members, root, element_size)
+        best = _cache.get(key)
+        if best is None:
+            events = schedule(_SCHEDULES[kind], int(nbytes), len(members), root=group_root, element_size=element_size)
+            best = _cache[key] = (replay(events, _Placed(network, members)).seconds, _SCHEDULES[kind])
+            if len(_cache) > 4096:
+                _cache.clear()
     return best if with_algorithm else best[0]
 
 
