@@ -54,6 +54,7 @@ search (its channel count and per-channel bandwidth are derived here from the li
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -169,6 +170,14 @@ class Topology:
     @property
     def gpu_index(self) -> int:
         return GPUS.index(self.gpu)
+
+    @functools.cached_property
+    def locals(self) -> list:
+        """Each node's ranks, in group order."""
+        out = [[] for _ in range(self.nodes)]
+        for rank, node in enumerate(self.node_of):
+            out[node].append(rank)
+        return out
 
     @property
     def intra_kind(self) -> str:
@@ -497,12 +506,13 @@ class _Links:
     cut to this channel's fair share (`share`) and the protocol's (`factor`), each hop arriving NCCL's per-hop
     latency after its last byte. `switches`: {rank: node} of NVLS's NVSwitches, beyond the group's ranks: a port
     per GPU of that node, the GPU's own NVLink on the other side, at `switch_factor` of its bandwidth (NVLS's
-    efficiency)."""
+    efficiency). `wrap`: {(src, dst): (src, dst)} messages that take another pair's route (`_ring`'s period)."""
 
-    def __init__(self, network, members, topo, algo, proto, share=None, factor=1.0, switches=None, switch_factor=1.0):
+    def __init__(self, network, members, topo, algo, proto, share=None, factor=1.0, switches=None, switch_factor=1.0,
+                 wrap=None):
         self.network, self.members, self.topo = network, members, topo
         self.factor, self.share, self.switches = factor, share or {}, switches or {}
-        self.switch_factor = switch_factor
+        self.switch_factor, self.wrap = switch_factor, wrap or {}
         p = PROTOCOLS.index(proto)
         intra = HW_LATENCY["nvlink" if topo.intra_kind == "nvlink" else "pci"][algo][p]
         inter = HW_LATENCY["net"]["tree" if topo.per_node == 1 else algo][p]
@@ -527,6 +537,7 @@ class _Links:
             if src in self.switches:
                 return bandwidth * self.switch_factor, 0.0, ("nvls", "out", gpu), in_side
             return bandwidth * self.switch_factor, 0.0, out_side, ("nvls", "in", gpu)
+        src, dst = self.wrap.get((src, dst), (src, dst))
         bandwidth, _, out_side, in_side = self.network.route(self.members[src], self.members[dst])
         share = min(self.share.get(out_side, 1.0), self.share.get(in_side, 1.0) if in_side is not None else 1.0)
         same_node = self.topo.node_of[src] == self.topo.node_of[dst]
@@ -560,7 +571,13 @@ def _run(network, topo, members, function, option, nbytes, channels, root, eleme
     if algo in ("nvls", "nvls_tree"):
         fixed += HW_LATENCY["nvlink"][algo][p] * 1e-6
         threads, switches = _nvls(topo, function, nbytes, algo, element_size)
-        links = _Links(network, members, topo, algo, proto, switches=switches,
+        share = {}
+        if topo.nodes > 1 and topo.nics < topo.per_node:      # the GPUs on a card that are not simulated share it
+            heads = [ranks[0] for ranks in topo.locals]
+            for a, b in zip(heads, heads[1:] + heads[:1]):
+                _, _, out_side, in_side = network.route(members[a], members[b])
+                share[out_side] = share[in_side] = topo.nics / topo.per_node
+        links = _Links(network, members, topo, algo, proto, share=share, switches=switches,
                        switch_factor=NVLS_EFFICIENCY[topo.gpu_index])
         return fixed + simulation.replay_threads(threads, links).seconds
     # The channels this call runs on, as copies of one rotated inside each node (one copy on a single node, where
@@ -574,15 +591,19 @@ def _run(network, topo, members, function, option, nbytes, channels, root, eleme
     chunk = _CHUNK.get(("chain" if function in ("broadcast", "reduce") else algo, proto)) or _CHUNK[(algo, proto)]
     per_exec = max(1, -(-nbytes // channels))
     streaming = proto != "Simple"
+    wrap = {}
     if algo == "tree":
         threads = _tree(topo, part, chunk, per_exec, element_size, streaming)
     elif function in ("broadcast", "reduce"):
         threads = _chain(order, part, chunk, per_exec, function == "reduce", element_size, streaming)
     else:
         rounds = 2 * (topo.ranks - 1) if function == "all_reduce" else topo.ranks - 1
-        threads = _ring(order, part, rounds, chunk, per_exec, element_size, streaming)
-    share = _fair_shares(network, members, topo, threads, copies)
-    links = _Links(network, members, topo, algo, proto, share=share, factor=factor)
+        uniform = topo.nodes > 1 and topo.per_node > 1 and len({len(ranks) for ranks in topo.locals}) == 1
+        period = topo.per_node if uniform else None
+        threads = _ring(order, part, rounds, chunk, per_exec, element_size, streaming, period)
+        wrap = _wrap(order, period) if period else {}
+    share = _fair_shares(network, members, topo, threads, copies, wrap)
+    links = _Links(network, members, topo, algo, proto, share=share, factor=factor, wrap=wrap)
     return fixed + simulation.replay_threads(threads, links).seconds
 
 
@@ -598,22 +619,26 @@ def _ring_order(topo: Topology, root=None) -> list:
 
 def _rotated(topo: Topology, rank: int, c: int) -> int:
     """The rank that plays `rank`'s part in channel copy c: c places along inside its node."""
-    node = topo.node_of[rank]
-    local = [r for r in range(topo.ranks) if topo.node_of[r] == node]
+    local = topo.locals[topo.node_of[rank]]
     return local[(local.index(rank) + c) % len(local)]
 
 
-def _fair_shares(network, members, topo, threads, copies) -> dict:
+def _fair_shares(network, members, topo, threads, copies, wrap=None) -> dict:
     """Each side's share for channel copy 0: its bytes over the bytes of every copy (the copies are copy 0 rotated),
     so a side the copies all use is split evenly and a card only one copy uses is that copy's alone."""
     if copies == 1:
         return {}
     mine, total = {}, {}
-    sends = [(rank, e[1], e[2]) for rank, scripts in enumerate(threads) for script in scripts for e in script
-             if e[0] in ("send", "isend")]
+    pairs = {}                                  # (src, dst) -> bytes: the same pairs talk many times
+    for rank, scripts in enumerate(threads):
+        for script in scripts:
+            for e in script:
+                if e[0] in ("send", "isend"):
+                    pair = (wrap or {}).get((rank, e[1]), (rank, e[1]))
+                    pairs[pair] = pairs.get(pair, 0) + e[2]
     rotate = [[_rotated(topo, r, c) for r in range(topo.ranks)] for c in range(copies)]
     for c in range(copies):
-        for src, dst, nbytes in sends:
+        for (src, dst), nbytes in pairs.items():
             _, _, out_side, in_side = network.route(members[rotate[c][src]], members[rotate[c][dst]])
             for side in (out_side, in_side):
                 if side is not None:
@@ -641,17 +666,23 @@ def _count(nbytes: int, chunk: int, per_exec: int, streaming: bool, most: int, p
     return max(1, count)
 
 
-def _ring(order, nbytes, rounds, chunk, per_exec, element_size, streaming=False) -> list:
+def _ring(order, nbytes, rounds, chunk, per_exec, element_size, streaming=False, period=None) -> list:
     """Channel 0 of NCCL's ring: in round j position i sends piece (i - j) mod G to its right and receives piece
     (i - j - 1) from its left (the scatter-reduce's rule, carried on through the all-gather); a piece goes on in
-    slices, each forwarded as soon as it has arrived (so round j+1's slice s leaves when round j's slice s is in)."""
+    slices, each forwarded as soon as it has arrived (so round j+1's slice s leaves when round j's slice s is in).
+
+    `period`: on nodes of that many ranks each, every node does what the first one does at the same times (the ring
+    and the cluster look the same from every node; exactly so where the pieces are equal, within an element's
+    time otherwise), so only the first node's ranks are simulated, its last rank sending to its first across the
+    nodes (`_wrap` says which route that message takes)."""
     g = len(order)
     pieces = _pieces(nbytes, g, element_size)
     slices = _count(max(pieces), chunk, per_exec, streaming, _MAX_SLICES, per=g, depth=1)
     parts = [_pieces(size, slices, 1) for size in pieces]
-    threads = [None] * g
-    for i, rank in enumerate(order):
-        right, left = order[(i + 1) % g], order[(i - 1) % g]
+    threads = [[] for _ in range(g)]
+    ring = order[:period] if period else order
+    for i, rank in enumerate(ring):
+        right, left = ring[(i + 1) % len(ring)], ring[(i - 1) % len(ring)]
         events = []
         receives = []
         for j in range(rounds):
@@ -665,6 +696,11 @@ def _ring(order, nbytes, rounds, chunk, per_exec, element_size, streaming=False)
                     events.append(("isend", right, parts[(i - j - 1) % g][s], 0))
         threads[rank] = [events]
     return threads
+
+
+def _wrap(order, period) -> dict:
+    """The message from the simulated node's last rank to its first stands for the one to the next node's first."""
+    return {(order[period - 1], order[0]): (order[period - 1], order[period])}
 
 
 def _chain(order, nbytes, chunk, per_exec, reverse=False, element_size=4, streaming=False) -> list:
@@ -723,7 +759,7 @@ def _dtree(nranks: int, rank: int, tree: int):
 def _tree_links(topo: Topology, tree: int):
     """(parent, children) of every rank in channel 0's tree `tree`: a chain through each node from its first rank,
     the first ranks joined across nodes by NCCL's double binary tree."""
-    locals_of = [[r for r in range(topo.ranks) if topo.node_of[r] == n] for n in range(topo.nodes)]
+    locals_of = topo.locals
     parent, children = [-1] * topo.ranks, [[] for _ in range(topo.ranks)]
     for n, ranks in enumerate(locals_of):
         for k, r in enumerate(ranks):
@@ -770,7 +806,7 @@ def _tree(topo: Topology, nbytes: int, chunk: int, per_exec: int, element_size: 
     return [scripts or [[]] for scripts in threads]
 
 
-def _nvls(topo: Topology, function: str, nbytes: int, algo: str, element_size: int):
+def _nvls(topo: Topology, function: str, nbytes: int, algo: str, element_size: int, reduce: bool = True):
     """NVLS inside each node, and for nvls_tree a double binary tree of each GPU's shard across the nodes.
 
     Per chunk: every GPU sends the chunk to its node's switch (its part of multimem.ld_reduce), which sends each GPU
@@ -778,14 +814,19 @@ def _nvls(topo: Topology, function: str, nbytes: int, algo: str, element_size: i
     of the two trees) stores it back through the switch (multimem.st), which sends every GPU of the node the whole
     reduced chunk. A GPU sends at most _STEPS chunks ahead (the switch hands back a credit per chunk), and separate
     threads keep the reduce-scatter, each tree and the all-gather of successive chunks going at once, as NCCL
-    pipelines them. Returns (threads per rank, {switch rank: node}): a switch per node, after the group's ranks."""
+    pipelines them. Returns (threads per rank, {switch rank: node}): a switch per node, after the group's ranks.
+
+    Where every node has as many GPUs, the GPUs of a node do the same thing at the same times on links of their
+    own (their shards are as large, their trips cross the nodes on their own cards): only each node's first GPU is
+    simulated, and the switch waits for it alone. A card shared by several GPUs gives it its share (`_Links`)."""
     g = topo.ranks
     tree = algo == "nvls_tree" and topo.nodes > 1
+    uniform = reduce and len({len(ranks) for ranks in topo.locals}) == 1
     threads = [[] for _ in range(g + topo.nodes)]
     chunk = _CHUNK[(algo, "Simple")]
     count = max(1, min(_MAX_CHUNKS, math.ceil(nbytes / (chunk * _exec_channels(topo, algo)))))
     parts = [p for p in _pieces(nbytes, count, element_size) if p]
-    locals_of = [[r for r in range(g) if topo.node_of[r] == n] for n in range(topo.nodes)]
+    locals_of = topo.locals
     halves = 2 if tree else 1
 
     def pieces_of(size, i):
@@ -795,24 +836,25 @@ def _nvls(topo: Topology, function: str, nbytes: int, algo: str, element_size: i
 
     for n, ranks in enumerate(locals_of):
         switch = g + n
+        simulated = ranks[:1] if uniform else ranks
         gather, give = [], []
         for size in parts:
-            receives = [len(gather) + i for i in range(len(ranks))]
-            gather.extend(("irecv", r, size, 10) for r in ranks)
+            receives = [len(gather) + i for i in range(len(simulated))]
+            gather.extend(("irecv", r, size, 10) for r in simulated)
             gather.extend(("wait", i) for i in receives)
-            for i, r in enumerate(ranks):
+            for i, r in enumerate(simulated):
                 gather.append(("isend", r, 0, 15))                                   # a buffer slot is free
                 gather.extend(("isend", r, piece, 11 + h) for h, piece in enumerate(pieces_of(size, i)) if piece)
             receives = []
-            for i, r in enumerate(ranks):
+            for i, r in enumerate(simulated):
                 for piece in pieces_of(size, i):
                     if piece:
                         receives.append(len(give))
                         give.append(("irecv", r, piece, 13))
             give.extend(("wait", i) for i in receives)
-            give.extend(("isend", r, size, 14) for r in ranks)
+            give.extend(("isend", r, size, 14) for r in simulated)
         threads[switch] = [gather, give]
-        for i, r in enumerate(ranks):
+        for i, r in enumerate(simulated):
             sender = [("isend", switch, size, 10) for size in parts[:_STEPS]]
             for c in range(len(parts)):
                 sender.append(("recv", switch, 0, 15))

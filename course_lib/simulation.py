@@ -102,9 +102,10 @@ class _Message:
     __slots__ = ("id", "src", "dst", "group", "tag", "nbytes", "issued", "start", "sent", "arrival", "wire",
                  "latency", "in_port", "hops", "request", "order")
 
-    def __init__(self, **kwargs):
-        for key, value in kwargs.items():
-            setattr(self, key, value)
+    def __init__(self, id, src, dst, group, tag, nbytes, issued, hops, request, order):
+        self.id, self.src, self.dst, self.group, self.tag, self.nbytes = id, src, dst, group, tag, nbytes
+        self.issued, self.hops, self.request, self.order = issued, hops, request, order
+        self.start = self.sent = self.arrival = self.wire = self.latency = self.in_port = None
 
 
 class _Request:
@@ -253,9 +254,8 @@ class Simulator:
         self._check_peer(actor, dst, "send to")
         request = self._request(request_id, "send", actor, dst, group, tag, nbytes)
         self.counter += 1
-        message = _Message(id=self.counter, src=actor.rank, dst=dst, group=group, tag=tag, nbytes=int(nbytes),
-                           issued=actor.clock, start=None, sent=None, arrival=None, wire=None, latency=None,
-                           in_port=None, hops=actor.hops + 1, request=request, order=(actor.rank, actor.seq))
+        message = _Message(self.counter, actor.rank, dst, group, tag, int(nbytes), actor.clock, actor.hops + 1,
+                           request, (actor.rank, actor.seq))
         request.message = message
         self.messages += 1
         self._push(actor.clock, _ISSUE, message.order, message)
@@ -591,7 +591,7 @@ def replay_threads(threads_by_rank, network) -> Timing:
     world_size = len(threads_by_rank)
     sim = Simulator(network, world_size)
     actors = [(rank, index, list(events)) for rank, scripts in enumerate(threads_by_rank)
-              for index, events in enumerate(scripts)]
+              for index, events in enumerate(scripts or [[]])]          # a rank with nothing to do is done at once
     ids = [main_actor(rank) | index for rank, index, _ in actors]
     position = [0] * len(actors)
     unwaited = [dict() for _ in actors]   # event index -> request id

@@ -158,3 +158,36 @@ def test_all_gather_reduce_scatter_and_broadcast_run_as_ncclss_ring():
         # every card carries its channel; a broadcast's chain of 16 hops fills its pipeline of 8 chunks slowly
         assert (0.3 if function in ("broadcast", "reduce") else 0.5) * cards < bus < 1.05 * cards, function
     assert simulation.collective_time(cluster, "all_gather", nbytes, range(g), with_algorithm=True)[1] == "ring/Simple"
+
+
+def test_the_nodes_symmetry_lets_one_node_or_one_gpu_stand_for_all_exactly():
+    """Every node of a uniform cluster does what the first does at the same times in NCCL's ring, and every GPU of
+    a node what the first does in NVLS: simulating that one gives the time of simulating them all."""
+    for cluster in (Network.cluster(3, 4, "nvlink4", "ib_ndr"), Network.cluster(2, 4, "nvlink4", "ib_ndr", nics=2)):
+        g = cluster.world_size
+        topo = nccl.Topology.of(cluster, range(g))
+        members, order = tuple(range(g)), nccl._ring_order(topo)
+        nbytes = g * 4 * 4 * 4096                      # pieces all alike: the symmetry is exact
+        times = []
+        for period in (None, 4):
+            threads = nccl._ring(order, nbytes // 4, 2 * (g - 1), 1 << 20, nbytes // 8, 4, False, period)
+            wrap = nccl._wrap(order, period) if period else {}
+            share = nccl._fair_shares(cluster, members, topo, threads, 4, wrap)
+            links = nccl._Links(cluster, members, topo, "ring", "Simple", share=share, wrap=wrap)
+            times.append(simulation.replay_threads(threads, links).seconds)
+        assert times[0] == pytest.approx(times[1], rel=1e-9), cluster
+        times = []
+        for reduce in (False, True):
+            threads, switches = nccl._nvls(topo, "all_reduce", nbytes, "nvls_tree", 4, reduce=reduce)
+            share = {}
+            if reduce and topo.nics < topo.per_node:
+                heads = [ranks[0] for ranks in topo.locals]
+                for a, b in zip(heads, heads[1:] + heads[:1]):
+                    _, _, out_side, in_side = cluster.route(a, b)
+                    share[out_side] = share[in_side] = topo.nics / topo.per_node
+            links = nccl._Links(cluster, members, topo, "nvls_tree", "Simple", share=share, switches=switches,
+                                switch_factor=0.85)
+            times.append(simulation.replay_threads(threads, links).seconds)
+        # exactly where every GPU has a card; two GPUs on one card queue on it in the full simulation, share it
+        # evenly in the reduced one
+        assert times[0] == pytest.approx(times[1], rel=1e-9 if topo.nics == topo.per_node else 0.05), cluster
