@@ -4,11 +4,13 @@ wall time for the launch.
     python benchmarks/ddp_modeled.py              # 9 launches of 64 ranks (8 nodes of 8 H100s), quiet machine
 
 Each rank builds a 4-layer MLP (512 wide), wraps it in torch's own DistributedDataParallel (1 MiB buckets) and runs
-two training steps (DDP's first backward is one bucket of everything; the second runs its rebuilt buckets). Compute
+three training steps (DDP's first backward is one bucket of everything, its second forward shares the rebuilt
+buckets' order from rank 0; the third is a step as every later one). Compute
 costs the FLOPs torch's FlopCounterMode counts, at an H100's dense BF16 peak, for 65,536 samples per GPU (16 rows
 are computed, each counted 4,096 times); the buckets' all-reduces take what NCCL would run for them
-(`course_lib.nccl`). Printed: the second step's modeled time on the slowest rank, and the launch's wall time,
-median and range over the repetitions; results in benchmarks/results/ddp_modeled.json.
+(`course_lib.nccl`). Printed: the third step's modeled time on the slowest rank, and the launch's wall time,
+median and range over the repetitions; results in benchmarks/results/ddp_modeled.json, one entry per cluster
+size (``--nodes 16 --repetitions 3``: 128 ranks, whose launch notebook 13 reads instead of running it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def step(rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(COMPUTED, 512, generator=torch.Generator().manual_seed(rank))
     times = []
-    for _ in range(2):
+    for _ in range(3):
         start = course_lib.clock()
         with flop_compute(H100_BF16, scale=SAMPLES / COMPUTED):
             loss = model(x).square().mean()
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         per_rank = course_lib.launch(step, g, network=cluster, timeout=600)
         walls.append(time.perf_counter() - started)
-        steps.append(max(times[1] for times in per_rank))
+        steps.append(max(times[2] for times in per_rank))
         print(f"[{repetition + 1}/{args.repetitions}] {g} ranks: modeled step {steps[-1] * 1e6:.1f} us, "
               f"wall {walls[-1]:.1f} s", flush=True)
     summary = {"ranks": g, "cluster": cluster.describe(), "machine": platform.processor() or platform.machine(),
@@ -78,7 +80,9 @@ def main(argv=None) -> int:
           f"(all repetitions {min(steps) * 1e6:.1f}..{max(steps) * 1e6:.1f}); launch wall time median "
           f"{summary['wall_median_s']:.1f} s ({min(walls):.1f}..{max(walls):.1f})")
     out = ROOT / "benchmarks" / "results" / "ddp_modeled.json"
-    out.write_text(json.dumps(summary, indent=1))
+    runs = json.loads(out.read_text()).get("runs", {}) if out.exists() else {}
+    runs[str(g)] = summary                     # one entry per cluster size: 64 ranks by default, --nodes 16 for 128
+    out.write_text(json.dumps({"runs": runs}, indent=1))
     return 0
 
 
