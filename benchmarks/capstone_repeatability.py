@@ -5,7 +5,7 @@
 1. Repeatability: `exercises.check("beat_the_ring", fn)` on the same code `--runs` times (every visible case:
    G = 1..8 small tensors, and the timed grid: both links, G = 4, 4 KiB to 16 MiB), for a tuned solution
    (the model picks its own schedule), thresholds worked out by hand, and the plain ring. Recorded: the points,
-   and the mean score over the timed cases (best known / yours), run by run; the spread is (max - min) / mean.
+   and the mean score over the timed cases (best of the course's four / yours), run by run; the spread is (max - min) / mean.
 2. The clock: the course's ring, recursive doubling and halving-doubling run under
    ``course_lib.launch(..., network=link)`` on both links (G = 4, `--reps` times each), timed by every rank with
    `course_lib.clock()` (the modeled clock; the slowest rank's time counts), beside the replay of their recorded

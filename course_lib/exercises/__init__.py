@@ -50,7 +50,7 @@ Function exercises (the learner writes an SPMD function; `answer` is that functi
                                    -> (step, state)                    (its momentum only), all-gather
     beat_the_ring        11        beat_the_ring(tensor, link)         the capstone: any all-reduce, timed on two
                                                                        modeled links, scored per size against
-                                                                       the best known schedule
+                                                                       the best of four schedules
     hierarchical_allreduce 13      hierarchical_allreduce(tensor,      reduce-scatter inside each node, ring
                                    node_size)                          all-reduce of the shard across the nodes
                                                                        on its rail, all-gather inside; a smaller
