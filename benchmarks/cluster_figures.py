@@ -1,20 +1,20 @@
-"""Notebook 13's figures with more sizes and 128 GPUs: the flat ring, torch's all-reduce and the hierarchical one on
-H100 clusters (nodes of 8 on NVSwitch, InfiniBand NDR between them), training at 8, 64 and 128 GPUs, and what a
-launch of that many ranks costs this machine.
+"""All-reduces and training on modeled H100 clusters (nodes of 8 on NVSwitch, InfiniBand NDR between them) at 8,
+64 and 128 GPUs, with more sizes than notebook 13 shows, and what a launch of that many ranks costs this machine.
 
     python benchmarks/cluster_figures.py                       # writes benchmarks/results/cluster_figures.{md,json}
     python benchmarks/cluster_figures.py --quick --out /tmp/c  # no 128-rank launches
 
 1. **All-reduces** (the modeled clock, replayed): at 8, 64 and 128 GPUs, 8 KiB, 1 MiB and 64 MiB per rank, one
-   InfiniBand port per GPU and one per node: the flat ring (course_lib.allreduce.ring), torch's dist.all_reduce
-   (`simulation.collective_time`: NCCL's choice of ring or tree) and the notebook's hierarchical all-reduce
-   (tests/planted_bugs_hierarchical.hier_notebook, its schedule recorded with `hierarchical.record_schedule` and
-   replayed), with each time's bus bandwidth.
+   InfiniBand port per GPU and one per node: a single ring in rank order (course_lib.allreduce.ring), torch's
+   dist.all_reduce (`simulation.collective_time`: what `course_lib.nccl` says NCCL runs, algorithm/protocol shown)
+   and notebook 13's hierarchical all-reduce (tests/planted_bugs_hierarchical.hier_notebook, its schedule recorded
+   with `hierarchical.record_schedule` and replayed), with each time's bus bandwidth.
 2. **Launches read the replays**: 64 and 128 ranks launched on the modeled cluster, the three all-reduces at 1 MiB
-   (the flat ring at 64 only), each rank timing with course_lib.clock(); asserted equal to the replays (1e-9).
-3. **Training** (notebook 13's model: make_mlp 4 x 512, buckets of 1 MiB overlapped with backward, torch's
+   (the single ring at 64 only), each rank timing with course_lib.clock(); asserted equal to the replays (1e-9).
+3. **Training with course_lib's trainer** (make_mlp 4 x 512, buckets of 1 MiB overlapped with backward, torch's
    all-reduce, compute at 989 TFLOP/s for 131,072 samples per GPU): one step launched at 8, 64 and 128 ranks,
-   against the notebook's model of the step (asserted within 1e-6), with the scaling efficiency.
+   against the bucket schedule's model of the step (asserted within 1e-6), with the scaling efficiency. Notebook 13
+   trains with torch's own DistributedDataParallel instead: `benchmarks/ddp_modeled.py`.
 4. **What a launch costs this machine** (its own clock, with the load average beside it): an empty function at 8,
    64 and 128 ranks, and one hierarchical all-reduce of 8 KiB (a message count known in advance), so the cost per
    modeled message is the difference over the count.
@@ -222,11 +222,12 @@ def write(out, results):
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    lines = ["# Notebook 13's figures: a cluster on the modeled clock", "",
-             f"`python benchmarks/cluster_figures.py`; {results['machine']}. H100 nodes of 8 on NVSwitch (nvlink4: "
-             "450 GB/s, 2 us), InfiniBand NDR between nodes (ib_ndr: 50 GB/s, 5 us). Times are the modeled clock's "
-             "(the same on every run); wall times and load are this machine's.", "",
-             "## All-reduces (replayed schedules; torch = collective_time, NCCL's ring or tree)", "",
+    intra, inter = Network.preset("nvlink4"), Network.preset("ib_ndr")
+    lines = ["# A cluster on the modeled clock: all-reduces and training at 8, 64 and 128 GPUs", "",
+             f"`python benchmarks/cluster_figures.py`; {results['machine']}. H100 nodes of 8 on NVSwitch "
+             f"({intra.describe()}), InfiniBand NDR between nodes ({inter.describe()}). Times are the modeled "
+             "clock's (the same on every run); wall times and load are this machine's.", "",
+             "## All-reduces (replayed schedules; torch = collective_time, what course_lib.nccl says NCCL runs)", "",
              "| GPUs | ports | size | flat ring | torch | hierarchical | flat / hierarchical | busbw flat | busbw hier. |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results["allreduces"]:
