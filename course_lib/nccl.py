@@ -69,6 +69,11 @@ _NAMES = {"tree": "Tree", "ring": "Ring", "collnet_direct": "CollNetDirect", "co
 _FUNCTIONS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")            # NCCL's ncclFunc order
 _NCCL_FUNC = {"broadcast": "broadcast", "reduce": "reduce", "all_gather": "allgather",
               "reduce_scatter": "reducescatter", "all_reduce": "allreduce"}              # NCCL_ALGO's prefixes
+# How NCCL spells them in its per-call INFO line (src/collectives.cc: ncclAlgoToString, ncclProtoToString); the
+# TUNING table and NCCL_ALGO use _NAMES
+_CALL_ALGO = {"tree": "TREE", "ring": "RING", "collnet_direct": "COLLNET_DIRECT", "collnet_chain": "COLLNET_CHAIN",
+              "nvls": "NVLS", "nvls_tree": "NVLS_TREE", "pat": "PAT"}
+_CALL_PROTO = {"LL": "LL", "LL128": "LL128", "Simple": "SIMPLE"}
 _FUNC_STR = {"broadcast": "Broadcast", "reduce": "Reduce", "all_gather": "AllGather",
              "reduce_scatter": "ReduceScatter", "all_reduce": "AllReduce"}               # NCCL's ncclFuncStr
 
@@ -443,10 +448,10 @@ class Choice:
     options: tuple = field(default=(), repr=False)
 
     def __str__(self) -> str:
-        """One line in the form of NCCL's INFO line for a call ('AllReduce: 1048576 Bytes -> Algo Ring proto LL128
-        channel{Lo..Hi}={0..15}', src/enqueue.cc), with the modeled time."""
-        return (f"{_FUNC_STR[self.function]}: {self.nbytes} Bytes -> Algo {_NAMES[self.algorithm]} "
-                f"proto {self.protocol} channel{{Lo..Hi}}={{0..{self.channels - 1}}}: "
+        """One line in the form of NCCL's INFO line for a call ('AllReduce: 1048576 Bytes -> Algo RING proto LL128
+        channel{Lo..Hi}={0..15}', src/enqueue.cc, NCCL's spelling), with the modeled time."""
+        return (f"{_FUNC_STR[self.function]}: {self.nbytes} Bytes -> Algo {_CALL_ALGO[self.algorithm]} "
+                f"proto {_CALL_PROTO[self.protocol]} channel{{Lo..Hi}}={{0..{self.channels - 1}}}: "
                 f"{self.seconds * 1e6:.1f} us (NCCL's estimate {self.estimate * 1e6:.1f} us)")
 
 

@@ -440,8 +440,9 @@ PRESETS = {
                      "(an assumption)", 25e9, "infiniband"),
     "ib_ndr": Preset(48e9, 5e-6, "switch",
                      "InfiniBand NDR, one 400 Gb/s port per GPU (ConnectX-7 user manual): 50 GB/s each way on the wire; "
-                     "NCCL reaches 48 GB/s per NIC (NVIDIA, NVIDIA/nccl-tests#267: 'up to 48-49GB/s per NIC', #290: "
-                     "'46-48GB/s per NIC'); 5 us (an assumption)", 50e9, "infiniband"),
+                     "NCCL reaches 46-48 GB/s per NIC (NVIDIA, NVIDIA/nccl-tests#290: 'For NDR @ 400Gbps you should see "
+                     "46-48GB/s per NIC'; the same ConnectX-7 at 400G on RoCE, #267: 'up to 48-49GB/s per NIC'); "
+                     "5 us (an assumption)", 50e9, "infiniband"),
     "ib_xdr": Preset(96e9, 5e-6, "switch",
                      "InfiniBand XDR, one 800 Gb/s port per GPU (ConnectX-8 SuperNIC product brief): 100 GB/s each way "
                      "on the wire; no published NCCL figure was found: 96 GB/s is NDR's 96% of the line rate, carried "

@@ -191,3 +191,16 @@ def test_the_nodes_symmetry_lets_one_node_or_one_gpu_stand_for_all_exactly():
         # exactly where every GPU has a card; two GPUs on one card queue on it in the full simulation, share it
         # evenly in the reduced one
         assert times[0] == pytest.approx(times[1], rel=1e-9 if topo.nics == topo.per_node else 0.05), cluster
+
+
+def test_the_per_call_line_spells_algorithm_and_protocol_as_nccls_log_does():
+    # src/collectives.cc: ncclAlgoToString / ncclProtoToString, what NCCL_DEBUG_SUBSYS=TUNING prints per call
+    spelled = {"TREE", "RING", "COLLNET_DIRECT", "COLLNET_CHAIN", "NVLS", "NVLS_TREE", "PAT"}
+    seen = set()
+    for network, g in ((Network.cluster(1, 8, "nvlink4", "ib_ndr"), 8), (Network.cluster(2, 8, "nvlink4", "ib_ndr"), 16)):
+        for nbytes in (8, 1 << 20, 64 << 20):
+            words = str(nccl.collective(network, "all_reduce", nbytes, range(g))).split()
+            algorithm, protocol = words[words.index("Algo") + 1], words[words.index("proto") + 1]
+            assert algorithm in spelled and protocol in {"LL", "LL128", "SIMPLE"}, words
+            seen.add(algorithm)
+    assert {"NVLS", "NVLS_TREE"} <= seen
