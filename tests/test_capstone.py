@@ -57,6 +57,28 @@ def test_the_replay_is_the_time_a_modeled_launch_reads(world_size):
             assert replayed == pytest.approx(max(rank[name][1] for rank in ranks), rel=1e-9), (name, link.name)
 
 
+def _record_with_naive(rank, world_size, name):
+    tensor = torch.ones(NUMEL)
+    with Tracer(forbidden_modules=(), keep_data=False, landing=False) as tracer:
+        (allreduce.naive if name == "naive" else ALGORITHMS[name])(tensor)
+    return list(tracer.events)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 5, 8])
+def test_the_lower_bounds_hold_for_every_schedule_and_the_naive_exchange_meets_the_latency_one(world_size):
+    # The bounds the check prints must be bounds on this model, where a rank's messages may all be in flight at
+    # once: the naive exchange pays a single latency (so ceil(log2 G) latencies would not be one).
+    for name in ("naive", *ALGORITHMS):
+        events = course_lib.launch(_record_with_naive, world_size, args=(name,), backend="course_lib")
+        for link in capstone.LINKS:
+            timing = capstone.replay(events, link)
+            assert timing.seconds >= capstone.latency_bound(link, world_size) * (1 - 1e-12), (name, link.name)
+            assert timing.seconds >= capstone.bandwidth_bound(link, 4 * NUMEL, world_size) * (1 - 1e-12), (name, link.name)
+            if name == "naive":
+                assert timing.latencies == 1
+                assert timing.seconds == pytest.approx(link.latency + (world_size - 1) * 4 * NUMEL / link.bandwidth)
+
+
 def test_the_replay_counts_latencies_and_bytes_on_a_hand_made_schedule():
     # rank 0 sends 1000 bytes to rank 1, which sends them on to rank 2: two latencies one after another.
     events = [[("send", 1, 1000, 0)], [("recv", 0, 1000, 0), ("isend", 2, 1000, 0), ("wait", 1)], [("irecv", 1, 1000, 0), ("wait", 0)]]

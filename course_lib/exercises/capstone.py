@@ -36,8 +36,9 @@ as at 16 MiB, and it cost the check most of its time and memory). At each (link,
 recursive doubling and halving-doubling under the same model (`Network.predict`): on these G (powers of two)
 recursive doubling below a size that depends on the link, halving-doubling above it. The learner's score there is
 best / yours. A size's rubric line is met when the score is at least 90% on both links and both G. Beside them the
-lower bounds no point-to-point schedule passes: ceil(log2 G) latencies (each rank must hear from every other, and the number of
-ranks that can know a value at most doubles per latency), and 2 (G-1)/G S / B (every rank must send and receive
+lower bounds no point-to-point schedule passes on this model: one latency (every rank must hear from every other, and
+here a rank's messages may all be in flight at once: the naive exchange pays a single latency; with one message at a
+time per rank the bound would be ceil(log2 G) latencies), and 2 (G-1)/G S / B (every rank must send and receive
 (G-1)/G of the tensor's S bytes through its one link, twice: reduce and spread). Notation as in docs/notation.md.
 
 Correct results are required: on small tagged and random tensors (G = 1..8, lengths that do not divide by G)
@@ -148,8 +149,9 @@ def best_known(link, nbytes: int, world_size: int) -> tuple[str, float]:
 
 
 def latency_bound(link, world_size: int) -> float:
-    """ceil(log2 G) a: the number of ranks that can have heard from a given rank at most doubles per latency."""
-    return math.ceil(math.log2(world_size)) * link.latency if world_size > 1 else 0.0
+    """a: every rank must hear from every other, and on this model a rank's messages may all be in flight at once (the
+    naive exchange's are), so one latency is the least; ceil(log2 G) a holds only with one message at a time."""
+    return link.latency if world_size > 1 else 0.0
 
 
 def bandwidth_bound(link, nbytes: int, world_size: int) -> float:
@@ -273,7 +275,7 @@ class BeatTheRing(FunctionExercise):
                         f"{timing.latencies:>4} {timing.busiest_bytes / nbytes:>6.2f}S")
         if not rows:
             return []
-        return ["Where the time went (modeled clock; score = best of four / yours; bounds: ceil(log2 G) a and "
+        return ["Where the time went (modeled clock; score = best of four / yours; bounds: one latency a and "
                 "2(G-1)/G S/B;", "  hops = latencies on your critical path, link = bytes through your busiest link):",
                 f"  {'link':<15} {'G':>2} {'size':>7} {'yours':>9} {'best of four':>18} {'time':>9} {'score':>6} "
                 f"{'lat.bound':>9} {'bw.bound':>9} {'hops':>4} {'link':>7}", *rows]
@@ -293,8 +295,8 @@ def _where(timing, link, nbytes, G) -> str:
     """Where a slow schedule's time went, in words: latencies on its critical path, bytes through its busiest link."""
     latency_part = timing.latencies * link.latency
     wire = timing.busiest_bytes / link.bandwidth
-    text = (f"Your critical path has {timing.latencies} latencies ({_seconds(latency_part)}; the bound is "
-            f"ceil(log2 G) = {math.ceil(math.log2(G))}), and your busiest link carries {timing.busiest_bytes / nbytes:.2f} S "
+    text = (f"Your critical path has {timing.latencies} latencies ({_seconds(latency_part)}; the bound is one, and "
+            f"recursive doubling takes ceil(log2 G) = {math.ceil(math.log2(G))}), and your busiest link carries {timing.busiest_bytes / nbytes:.2f} S "
             f"bytes, S the tensor's ({_seconds(wire)}; the bound is 2(G-1)/G S = {2 * (G - 1) / G:.2f} S).")
     if latency_part > wire:
         text += " Latencies dominate here: fewer steps one after another (recursive doubling: log2 G swaps)."
