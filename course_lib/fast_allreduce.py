@@ -122,7 +122,7 @@ def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
 #     one another's spread. More segments leave fewer cores idle but cost CPU for the extra messages.
 # 4 MiB is kept: within noise of the best (8 MiB read 0.89), and it still cuts a chunk into several
 # segments once a chunk is larger than 4 MiB, so the schedule stays the pipelined one. gloo caps its
-# segments at 1 MiB, and NCCL works in 128-512 KiB slices. On hardware where the link, not the CPU, is
+# segments at 1 MiB, and NCCL's ring moves 1 MiB slices with its Simple protocol (smaller for small calls). On hardware where the link, not the CPU, is
 # the bottleneck, smaller is better.
 SEGMENT_BYTES = 4 << 20
 

@@ -416,11 +416,11 @@ _TCP_GOODPUT = 1448 / 1538
 PRESETS = {
     "1GbE": Preset(125e6 * _TCP_GOODPUT, 50e-6, "switch",
                    "Gigabit Ethernet (IEEE 802.3ab): 1 Gbit/s = 125 MB/s each way on the wire; TCP achieves 94.1% of "
-                   "it (117.7 MB/s: framing and headers, derived above); 50 us one-way through kernel TCP and a switch "
+                   "it (117.7 MB/s: of every 1538 bytes of wire time a frame carries 1448 of payload); 50 us one-way through kernel TCP and a switch "
                    "(an assumption)", 125e6, "ethernet"),
     "10GbE": Preset(1.25e9 * _TCP_GOODPUT, 20e-6, "switch",
                     "10 Gigabit Ethernet (IEEE 802.3ae): 10 Gbit/s = 1.25 GB/s each way on the wire; TCP achieves 94.1% "
-                    "of it (1.177 GB/s, derived above); 20 us one-way (an assumption)", 1.25e9, "ethernet"),
+                    "of it (1.177 GB/s: of every 1538 bytes of wire time a frame carries 1448 of payload); 20 us one-way (an assumption)", 1.25e9, "ethernet"),
     "roce100": Preset(12e9, 5e-6, "switch",
                       "100 Gigabit Ethernet with RoCE v2 (IEEE 802.3ba/bj): 12.5 GB/s each way on the wire; NCCL reaches "
                       "12 GB/s per 100G NIC (NVIDIA, NVIDIA/nccl-tests#119: '12 GB/s for 100G NICs'); 5 us one-way "

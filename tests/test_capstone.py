@@ -4,6 +4,7 @@ hold on its grid."""
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,8 +104,9 @@ def test_the_targets_hold_on_the_grid():
             name, best_small = capstone.best_known(link, small, G)
             # the plain ring scores under 60% at 4 KiB, where recursive doubling is best ...
             assert name == "recursive_doubling" and best_small / link.predict("ring", small, G) < 0.6
-            # ... within 2x of the latency lower bound; halving-doubling reaches 90% of the bandwidth bound at the largest
-            assert best_small <= 2 * capstone.latency_bound(link, G)
+            # ... in log2 G latencies and less than as much again in bytes (the bound: one latency); halving-doubling
+            # reaches 90% of the bandwidth bound at the largest
+            assert best_small <= 2 * math.log2(G) * capstone.latency_bound(link, G)
             name, best_large = capstone.best_known(link, large, G)
             assert name == "halving_doubling" and capstone.bandwidth_bound(link, large, G) / best_large >= 0.9
         # 64 KiB tells the links apart: recursive doubling on InfiniBand, halving-doubling on Ethernet

@@ -38,8 +38,9 @@ recursive doubling below a size that depends on the link, halving-doubling above
 best / yours. A size's rubric line is met when the score is at least 90% on both links and both G. Beside them the
 lower bounds no point-to-point schedule passes on this model: one latency (every rank must hear from every other, and
 here a rank's messages may all be in flight at once: the naive exchange pays a single latency; with one message at a
-time per rank the bound would be ceil(log2 G) latencies), and 2 (G-1)/G S / B (every rank must send and receive
-(G-1)/G of the tensor's S bytes through its one link, twice: reduce and spread). Notation as in docs/notation.md.
+time per rank the bound would be ceil(log2 G) latencies), and 2 (G-1)/G S / B (some rank must send at least
+2 (G-1)/G S bytes through its one link: Patarasuk and Yuan 2009; for messages that carry the tensor's own 4-byte
+elements). Notation as in docs/notation.md.
 
 Correct results are required: on small tagged and random tensors (G = 1..8, lengths that do not divide by G)
 the whole result is compared, and on the timed tensors 2,000-odd positions (chunk boundaries included) are.
@@ -155,7 +156,8 @@ def latency_bound(link, world_size: int) -> float:
 
 
 def bandwidth_bound(link, nbytes: int, world_size: int) -> float:
-    """2 (G-1)/G S / B: every rank sends (and receives) at least that many bytes through its one link."""
+    """2 (G-1)/G S / B: in any all-reduce some rank sends at least that many bytes through its one link (Patarasuk and
+    Yuan 2009), for messages that carry the tensor's own elements."""
     return 2 * (world_size - 1) / world_size * nbytes / link.bandwidth
 
 
