@@ -22,7 +22,8 @@ A layer is an object with any of these methods; a method it lacks passes the cal
     send(group, tensor, dst, tag, proceed) -> Work      dst: a rank of `group`; proceed(tensor, dst, tag)
     recv(group, tensor, src, tag, proceed) -> Work      src: None for any source; proceed(tensor, src, tag)
     collective(group, call, proceed) -> Work            call: a `Collective`; proceed() runs it
-    new_group(group, ranks, proceed)                    every rank, before a subgroup is made
+    new_group(group, ranks, proceed)                    before a subgroup is made (every rank; its members alone with
+                                                        use_local_synchronization=True); ranks: global
 
 `group` is the `ProcessGroup` the call came through (`group.global_ranks[r]` is group rank r's rank in
 the world). A returned Work is this module's `Work` or a subclass: torch hands it to the caller as it is.
@@ -353,6 +354,15 @@ class _All(Work):
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self.works)
+
+    def exception(self):
+        return next((e for e in (work.exception() for work in self.works) if e is not None), None)
+
+    def get_future(self):
+        return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
 def _send(layers, index, group, tensor, dst, tag):

@@ -42,6 +42,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -522,21 +523,24 @@ class _ClockLayer:
         root = -1 if call.root is None else group.global_ranks[call.root]
         state.link().send(wire.COLLECTIVE, request, a=state.next_sequence(group.code), b=group.code, c=root,
                           x=float(call.nbytes if timed else 0), payload=payload)
-        work = _ModeledCollective(request, proceed().under)
+        work = _ModeledCollective(request, proceed())
         if torch._C._current_graph_task_id() != -1:
             _wait_at_end_of_backward(work)
         return work
 
     def new_group(self, group, ranks, proceed):
-        # Making a group connects its members for real (and torch lines every rank up in the store first): on the
-        # modeled clock a collective of every rank that costs nothing, so no clock waits for one still on its way.
+        # Making a group connects its members for real: on the modeled clock a collective of its members that costs
+        # nothing, so no member's clock waits for one still on its way. Only the members take part: with
+        # use_local_synchronization=True torch calls this on them alone (ranks: global ranks).
         state = _state
-        request = state.request_id()
-        members = group.global_ranks
-        payload = b"sync".ljust(24, b"\0") + struct.pack(f"<{len(members)}i", *members)
-        link = state.link()
-        link.send(wire.COLLECTIVE, request, a=state.next_sequence(-1), b=-1, c=-1, x=0.0, payload=payload)
-        link.call(wire.WAIT, request)
+        members = tuple(sorted(ranks))
+        if state.rank in members:
+            code = -2 - zlib.crc32(repr(members).encode())        # one sequence per member set, the same on each
+            request = state.request_id()
+            payload = b"sync".ljust(24, b"\0") + struct.pack(f"<{len(members)}i", *members)
+            link = state.link()
+            link.send(wire.COLLECTIVE, request, a=state.next_sequence(code), b=code, c=-1, x=0.0, payload=payload)
+            link.call(wire.WAIT, request)
         proceed()
 
 

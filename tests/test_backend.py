@@ -180,3 +180,36 @@ def test_record_schedule_uses_the_backend_in_this_process_and_leaves_no_group():
     assert [e[0] for e in events[0]].count("isend") == 4 and not dist.is_initialized()
     assert simulation.replay(events, Network.preset("10GbE")).seconds == pytest.approx(
         Network.preset("10GbE").predict("ring", 28, 3), rel=1e-9)
+
+
+def _barrier_and_all_reduce_under_the_tracer(rank, world_size):
+    with Tracer(forbidden_modules=()):
+        dist.barrier()                                   # moves no data: allowed in an exercise
+        try:
+            dist.all_reduce(torch.ones(3))
+        except BaseException as error:                   # ForbiddenCall is a BaseException
+            return type(error).__name__
+    return "nothing refused"
+
+
+def test_the_tracer_allows_a_barrier_and_refuses_a_collective():
+    assert course_lib.launch(_barrier_and_all_reduce_under_the_tracer, 2, backend="course_lib") == ["ForbiddenCall"] * 2
+
+
+def _local_subgroup(rank, world_size):
+    group = dist.new_group([0, 1], use_local_synchronization=True) if rank < 2 else None
+    if group is not None:
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor, group=group)
+        assert torch.equal(tensor, torch.full((4,), 2.0))
+    dist.barrier()
+    again = dist.new_group([1, 2, 3])                    # every rank calls this one: the sequences still agree
+    if rank > 0:
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor, group=again)
+        assert torch.equal(tensor, torch.full((4,), 3.0))
+    return True
+
+
+def test_a_subgroup_made_by_its_members_alone_does_not_hang_the_modeled_clock():
+    assert course_lib.launch(_local_subgroup, 4, network="10GbE", timeout=60) == [True] * 4
