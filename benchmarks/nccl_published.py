@@ -64,7 +64,7 @@ def published_time(row: dict, world_size: int) -> float | None:
     busbw = float(row["busbw_GBps"] or 0)
     if not busbw:
         return None
-    factor = nccl.bus_bandwidth(row["collective"], 1, world_size, 1.0)
+    factor = nccl.BUSBW_FACTORS[row["collective"]](world_size)
     return int(row["bytes"]) * factor / (busbw * 1e9)
 
 

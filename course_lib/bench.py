@@ -81,6 +81,7 @@ import torch.distributed as dist
 import course_lib
 from course_lib import _checks, allreduce
 from course_lib import modeled_clock as _clock
+from course_lib import nccl as _nccl
 from course_lib import network as network_module
 
 __all__ = ["Result", "Results", "run", "measure_in_rank", "algbw", "busbw", "BUSBW_FACTORS",
@@ -93,15 +94,8 @@ VARIANTS = ("naive", "parameter_server", "ring", "builtin")
 ALL_VARIANTS = ("naive", "parameter_server", "ring", "ring_pipelined", "ring_bidirectional", "halving_doubling",
                 "recursive_doubling", "tree", "builtin")
 
-# nccl-tests' correction factors from algbw to busbw, G = number of ranks (doc/PERFORMANCE.md).
-BUSBW_FACTORS = {
-    "all_reduce": lambda g: 2 * (g - 1) / g,
-    "reduce_scatter": lambda g: (g - 1) / g,
-    "all_gather": lambda g: (g - 1) / g,
-    "all_to_all": lambda g: (g - 1) / g,
-    "broadcast": lambda g: 1.0,
-    "reduce": lambda g: 1.0,
-}
+# nccl-tests' correction factors from algbw to busbw, G = number of ranks (doc/PERFORMANCE.md): one table, nccl's
+BUSBW_FACTORS = _nccl.BUSBW_FACTORS
 
 
 def algbw(nbytes: float, seconds: float) -> float:
@@ -560,6 +554,9 @@ def nccl_tests(network, sizes=("8", "1KiB", "64KiB", "1MiB", "64MiB", "1GiB"), w
     g = world_size or network.world_size
     if g is None:
         raise ValueError("a plain network fits any number of ranks: say how many (world_size=8)")
+    if network.world_size is not None and g > network.world_size:
+        raise ValueError(f"world_size={g} is more ranks than the cluster has ({network.describe()}): make the cluster "
+                         f"larger, or leave world_size out")
     lines = [f"# nccl-tests' columns for {collective} on the model: {network.describe()}, {g} ranks", _NCCL_TESTS_HEADER]
     for size in sizes:
         nbytes = parse_bytes(size)
@@ -849,16 +846,18 @@ def _run_under_torchrun(sizes, world_sizes, variants, reps, warmup, dtype, backe
     if world_sizes is not None and list(world_sizes) not in ([], [world_size]):
         raise ValueError(f"under torchrun the number of ranks is torchrun's WORLD_SIZE={world_size}; "
                          f"world_sizes={list(world_sizes)} cannot be run. Leave it out (CLI: omit --world-sizes).")
+    launcher = importlib.import_module("course_lib.launch")      # the module: course_lib.launch is a function
     owns_group = not dist.is_initialized()
     if owns_group:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        backend = course_lib.resolve_backend(backend, world_size, gpus_per_node=local_world)
-        if link is not None and backend != "nccl":
-            backend = "course_lib"       # the modeled clock is a layer of course_lib's backend
+        if link is not None:
+            backend = launcher._modeled_backend(backend)
+        else:
+            backend = course_lib.resolve_backend(backend, world_size, gpus_per_node=local_world)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
-    modeled, launcher = None, importlib.import_module("course_lib.launch")  # the module: course_lib.launch is a function
+    modeled = None
     try:
         if link is not None:
             modeled = launcher._torchrun_network(link, dist.get_rank(), world_size)

@@ -987,11 +987,12 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
         raise RuntimeError("run_torchrun must run inside a process started by torchrun; use launch() otherwise.")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    backend = resolve_backend(backend, world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if network is not None:
+        backend = _modeled_backend(backend)
+    else:
+        backend = resolve_backend(backend, world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    if network is not None and backend != "nccl":
-        backend = _backend.NAME      # the modeled clock is a layer of course_lib's backend
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))

@@ -47,7 +47,8 @@ the bandwidth), **LL128** (128-byte lines with 120 bytes of data), **Simple** (a
 slice: the longest hop).
 
 What is left out: CollNet (in-network reduction by InfiniBand SHARP switches, off unless configured), PAT (NCCL's
-all-gather and reduce-scatter for one GPU per node; the ring stands in), flow control (NCCL's 8 buffer slots per
+all-gather and reduce-scatter for one GPU per node) and NVLS for all-gather and reduce-scatter (NCCL has it on
+NVSwitch nodes): the ring stands in for both, flow control (NCCL's 8 buffer slots per
 connection), the SMs the kernels take from compute, congestion in the fabric, and NCCL's per-generation graph
 search (its channel count and per-channel bandwidth are derived here from the links, see `graphs`).
 """
@@ -60,7 +61,7 @@ import os
 from dataclasses import dataclass, field
 
 __all__ = ["Topology", "Option", "Choice", "tune", "collective", "choose", "tuning_table", "ALGORITHMS", "PROTOCOLS",
-           "bus_bandwidth", "algorithm_bandwidth"]
+           "bus_bandwidth", "algorithm_bandwidth", "BUSBW_FACTORS"]
 
 ALGORITHMS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")   # NCCL's order
 PROTOCOLS = ("LL", "LL128", "Simple")                                                         # NCCL's order
@@ -263,19 +264,38 @@ def _log2i(n: int) -> int:
 
 
 def _env_list(variable: str, names, function: str) -> set | None:
-    """The names NCCL_ALGO / NCCL_PROTO enable for `function` (NCCL's parseList), or None when unset."""
+    """The names NCCL_ALGO / NCCL_PROTO enable for `function`, read as NCCL's parseList reads them
+    (src/graph/tuning.cc), or None when unset: entries separated by ';' (empty ones skipped), each
+    '[function:]name,name' or '[function:]^name,...' (all but those); only the first entry may lack its function;
+    names and functions in any case. What NCCL refuses (a later entry without a function, an unknown function or
+    name) raises ValueError with NCCL's reason."""
     text = os.environ.get(variable)
     if not text:
         return None
-    enabled = set(names)
     lowered = {n.lower(): n for n in names}
-    for index, token in enumerate(text.split(";")):
-        prefix, _, elements = token.rpartition(":")
-        if prefix and prefix.lower() != _NCCL_FUNC[function]:
-            continue
+    functions = set(_NCCL_FUNC.values())
+    enabled = set(names)
+    for position, entry in enumerate(e for e in text.split(";") if e):
+        parts = [p for p in entry.split(":") if p]
+        if len(parts) == 1:
+            if position:
+                raise ValueError(f"{variable}={text!r}: all entries except the first must have a prefix (NCCL "
+                                 f"refuses it too), e.g. {variable}='{parts[0]};allreduce:{parts[0]}'")
+            prefix, elements = None, parts[0]
+        else:
+            prefix, elements = parts[0], parts[1]
+            if prefix.lower() not in functions:
+                raise ValueError(f"{variable}={text!r}: unrecognized prefix {prefix!r}; NCCL's are "
+                                 f"{', '.join(sorted(functions))}")
         negate = elements.startswith("^")
-        chosen = {lowered[e.strip().lower()] for e in elements.lstrip("^").split(",") if e.strip().lower() in lowered}
-        enabled = set(names) - chosen if negate else chosen
+        chosen = set()
+        for element in (e for e in elements[negate:].split(",") if e):
+            if element.lower() not in lowered:
+                raise ValueError(f"{variable}={text!r}: unrecognized element {element!r}; NCCL's are "
+                                 f"{', '.join(names)}")
+            chosen.add(lowered[element.lower()])
+        if prefix is None or prefix.lower() == _NCCL_FUNC[function]:
+            enabled = set(names) - chosen if negate else chosen
     return enabled
 
 
@@ -302,9 +322,7 @@ def tune(topo: Topology, function: str, nbytes: int) -> list:
         graph = found.get(algo)
         if graph is None or (algos is not None and _NAMES[algo] not in algos):
             continue
-        if function in ("broadcast", "reduce") and algo != "ring":
-            continue
-        if function in ("all_gather", "reduce_scatter") and algo != "ring":
+        if function != "all_reduce" and algo != "ring":        # the others run NCCL's ring here (docstring)
             continue
         for p, proto in enumerate(PROTOCOLS):
             if algo in ("nvls", "nvls_tree") and proto != "Simple":
@@ -316,7 +334,7 @@ def tune(topo: Topology, function: str, nbytes: int) -> list:
             bw = graph.intra if m <= 2 else graph.inter
             if algo in ("nvls", "nvls_tree"):
                 intra_bw = graph.intra * NVLS_EFFICIENCY[gpu] * (graph.channels - 1) / graph.channels
-                intra_bw *= 2.0 if function == "all_reduce" else (ppn - 1) / ppn
+                intra_bw *= 2.0                                       # all_reduce only, above
                 inter_bw = graph.inter * (2 if m <= 2 and algo == "nvls_tree" else 1)
                 cap = PER_CHANNEL_MAX_NVLS_TREE[gpu][column] if algo == "nvls_tree" else math.inf
                 bw = min(intra_bw, inter_bw, cap)
@@ -493,12 +511,23 @@ def _channels_used(topo, algo, proto, nbytes) -> int:
     return channels
 
 
+# nccl-tests' factors from algorithm to bus bandwidth, G the number of ranks (its doc/PERFORMANCE.md)
+BUSBW_FACTORS = {
+    "all_reduce": lambda g: 2 * (g - 1) / g,
+    "reduce_scatter": lambda g: (g - 1) / g,
+    "all_gather": lambda g: (g - 1) / g,
+    "all_to_all": lambda g: (g - 1) / g,
+    "broadcast": lambda g: 1.0,
+    "reduce": lambda g: 1.0,
+}
+
+
 def bus_bandwidth(function: str, nbytes: int, world_size: int, seconds: float) -> float:
-    """nccl-tests' bus bandwidth (bytes/s): S/t times 2(G-1)/G for all-reduce, (G-1)/G for all-gather and
-    reduce-scatter (`nbytes`: the whole buffer there), 1 for broadcast and reduce."""
-    factor = {"all_reduce": 2 * (world_size - 1) / world_size, "all_gather": (world_size - 1) / world_size,
-              "reduce_scatter": (world_size - 1) / world_size}.get(function, 1.0)
-    return algorithm_bandwidth(nbytes, seconds) * factor
+    """nccl-tests' bus bandwidth (bytes/s): S/t times `BUSBW_FACTORS[function](G)` (`nbytes`: the whole buffer for
+    all-gather and reduce-scatter)."""
+    if function not in BUSBW_FACTORS:
+        raise ValueError(f"no bus bandwidth factor for {function!r}; known: {sorted(BUSBW_FACTORS)}")
+    return algorithm_bandwidth(nbytes, seconds) * BUSBW_FACTORS[function](world_size)
 
 
 def algorithm_bandwidth(nbytes: int, seconds: float) -> float:

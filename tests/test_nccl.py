@@ -204,3 +204,25 @@ def test_the_per_call_line_spells_algorithm_and_protocol_as_nccls_log_does():
             assert algorithm in spelled and protocol in {"LL", "LL128", "SIMPLE"}, words
             seen.add(algorithm)
     assert {"NVLS", "NVLS_TREE"} <= seen
+
+
+@pytest.mark.parametrize("value, enabled", [("ring;", {"Ring"}), ("Ring,tree", {"Ring", "Tree"}), ("^NVLS", None),
+                                            ("tree;allreduce:ring", {"Ring"}), ("ring;allgather:tree", {"Ring"}),
+                                            ("allreduce:^ring,tree", None)])
+def test_nccl_algo_is_read_as_nccls_parselist_reads_it(monkeypatch, value, enabled):
+    monkeypatch.setenv("NCCL_ALGO", value)
+    names = [nccl._NAMES[a] for a in nccl.ALGORITHMS]
+    got = nccl._env_list("NCCL_ALGO", names, "all_reduce")
+    if value == "^NVLS":
+        enabled = set(names) - {"NVLS"}
+    if value == "allreduce:^ring,tree":
+        enabled = set(names) - {"Ring", "Tree"}
+    assert got == enabled
+
+
+@pytest.mark.parametrize("value, reason", [("ring;tree", "except the first must have a prefix"),
+                                           ("all_reduce:ring", "unrecognized prefix"), ("tree,rnig", "unrecognized element")])
+def test_what_nccl_refuses_in_nccl_algo_is_refused_with_its_reason(monkeypatch, value, reason):
+    monkeypatch.setenv("NCCL_ALGO", value)
+    with pytest.raises(ValueError, match=reason):
+        nccl.collective(Network.cluster(1, 8, "nvlink4", "ib_ndr"), "all_reduce", 1 << 20, range(8))
