@@ -215,7 +215,7 @@ def test_planning_is_linear_and_a_tangled_notebook_runs_every_cell():
 
 def test_csv_cells_that_would_be_formulas_are_text():
     assert [results.csv_cell(v) for v in ("=HYPERLINK(\"x\")", "+1", "-2", "@SUM(A1)", "\tx", "ada", "3")] == \
-        ["'=HYPERLINK(\"x\")", "'+1", "'-2", "'@SUM(A1)", "'\tx", "ada", "3"]
+        ["'=HYPERLINK(\"x\")", "'+1", "'-2", "'@SUM(A1)", "\\tx", "ada", "3"]      # a tab is written as \t
 
 def test_the_csv_writes_a_formula_like_name_as_text(tmp_path):
     results.write_csv(tmp_path / "grades.csv", [batch.SubmissionGrade("=cmd|' /C calc'!A0", [])])

@@ -31,6 +31,11 @@ MAX_TENSOR_ELEMENTS = 2**22     # one tensor
 MAX_ITEMS = 10_000              # one list
 MAX_TEXT = 4000                 # one string kept from a record
 MAX_MESSAGES = 4096             # one rank's trace in one case
+# Parsed JSON costs far more memory than its text: 30 MB of "{}," is 10 million dicts, 1.4 GB. Counted before
+# parsing (every bracket and comma, those inside strings too, so the counts are upper bounds): the largest
+# reply a complete grading sends has about 10,000 objects and lists and 22,000 items.
+MAX_CONTAINERS = 200_000        # objects and lists in one reply
+MAX_ELEMENTS = 1_000_000        # items (commas) in one reply
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "int64": torch.int64,
            "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -115,10 +120,15 @@ def decode(data: bytes):
     """The value `encode` made, rebuilt from plain JSON: no code runs, no object but data is built.
 
     Raises:
-        WireError: more than MAX_BYTES, not JSON, or a tensor that does not fit its description.
+        WireError: more than MAX_BYTES, MAX_CONTAINERS or MAX_ELEMENTS, not JSON, or a tensor that does not fit
+            its description.
     """
     if len(data) > MAX_BYTES:
         raise WireError(f"{len(data):,} bytes is more than the {MAX_BYTES:,} a reply may have")
+    containers, elements = data.count(b"{") + data.count(b"["), data.count(b",")
+    if containers > MAX_CONTAINERS or elements > MAX_ELEMENTS:
+        raise WireError(f"{containers:,} objects and lists, {elements:,} items: more than a reply of the check has "
+                        f"({MAX_CONTAINERS:,} and {MAX_ELEMENTS:,} at most)")
     try:
         parsed = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

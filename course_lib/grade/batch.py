@@ -19,14 +19,14 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from course_lib.exercises import registry
 from course_lib.grade import assign, judge
-from course_lib.grade.notebook import safe_name
+from course_lib.grade.notebook import NotebookError, exercises_of_number, safe_name
 from course_lib.grade.sandbox import (SECRET_FOLDERS, IsolationError, Limits, checkouts, choose_isolation,
                                       default_user, exposed_to, readable_solutions, release_users, running_as_root,
                                       sandbox_users, sweep_user)
@@ -248,7 +248,7 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
     jobs = jobs or default_jobs()
     isolation = choose_isolation(isolation)
     limits = limits or Limits()
-    plans = [assign.plan_submission(s.notebooks, assignment, root=s.root) for s in submissions]
+    plans = [_plan(s, assignment) for s in submissions]
     grades = [SubmissionGrade(s.name, [None] * len(s.notebooks), s.problem, list(s.notes), plan.assignments)
               for s, plan in zip(submissions, plans)]
     tasks = deque()
@@ -270,39 +270,48 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
     user_base = user_base or default_user()
     users = sandbox_users(1 if one_at_a_time else min(jobs, max(1, len(submissions))), user_base) if root_mode else []
     free, bound = list(users), {}
-    workroot = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-grading-"))
-    os.chmod(workroot, 0o711)      # a sandbox may enter its own folder here, not list the others
+    workroot = judge.make_workroot(judge.WORK_PREFIXES[1])
     try:
         if one_at_a_time:
             refuse_exposure(users[0], submissions, protect)
         preload()
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             running = {}
-            while tasks or running:
-                while tasks and len(running) < jobs:
-                    student, index = tasks[0]
-                    if root_mode and student not in bound:
-                        if not free:
-                            break
-                        bound[student] = free.pop(0)
-                    tasks.popleft()
-                    plan = plans[student].notebooks[index]
-                    future = pool.submit(judge.grade_notebook, plan.path, user=bound.get(student), workroot=workroot,
-                                         timeout=timeout, cell_timeout=cell_timeout, weights=weights,
-                                         isolation=isolation, limits=limits, exercises=plan.grade, notes=plan.notes)
-                    running[future] = (student, index)
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    student, index = running.pop(future)
-                    grades[student].notebooks[index] = future.result()
-                    remaining[student] -= 1
-                    done += 1
-                    if remaining[student] == 0 and student in bound:
-                        user = bound.pop(student)
-                        sweep_user(user, files=one_at_a_time)
-                        free.append(user)
-                    if progress is not None:
-                        _report(progress, done, total, submissions[student], grades[student].notebooks[index], started)
+            try:
+                while tasks or running:
+                    while tasks and len(running) < jobs:
+                        student, index = tasks[0]
+                        if root_mode and student not in bound:
+                            if not free:
+                                break
+                            bound[student] = free.pop(0)
+                        tasks.popleft()
+                        plan = plans[student].notebooks[index]
+                        future = pool.submit(judge.grade_notebook, plan.path, user=bound.get(student),
+                                             workroot=workroot, timeout=timeout, cell_timeout=cell_timeout,
+                                             weights=weights, isolation=isolation, limits=limits,
+                                             exercises=plan.grade, notes=plan.notes)
+                        running[future] = (student, index)
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        student, index = running.pop(future)
+                        grades[student].notebooks[index] = _result(future, plans[student].notebooks[index], weights)
+                        remaining[student] -= 1
+                        done += 1
+                        if remaining[student] == 0 and student in bound:
+                            user = bound.pop(student)
+                            sweep_user(user, files=one_at_a_time)
+                            free.append(user)
+                        if progress is not None:
+                            _report(progress, done, total, submissions[student], grades[student].notebooks[index],
+                                    started)
+            except BaseException:
+                # Stopped from outside (SIGTERM, Ctrl-C): no sandbox starts and no cell runs after this, and the
+                # sandboxes' processes are killed, so the notebooks running now end at once, not at their timeout.
+                judge.STOP.set()
+                for user in users:
+                    sweep_user(user)
+                raise
     finally:
         for user in bound.values():
             sweep_user(user, files=one_at_a_time)
@@ -311,6 +320,32 @@ def grade_submissions(submissions, *, jobs: int | None = None, weights: dict | N
     for grade, plan in zip(grades, plans):
         grade.notebooks += [_missing_grade(name, weights) for name in plan.missing]
     return grades
+
+
+def _plan(submission: Submission, assignment) -> assign.SubmissionPlan:
+    """What each of the submission's notebooks is graded on; a failure here (whatever its files hold) fails this
+    submission alone: each file is then graded 0 with the reason."""
+    try:
+        return assign.plan_submission(submission.notebooks, assignment, root=submission.root)
+    except Exception as exc:  # noqa: BLE001 - one submission's files must not stop the class
+        reason = NotebookError("failed", f"the grader could not plan this submission ({type(exc).__name__}: "
+                                         f"{str(exc)[:200]}); it was graded 0")
+        names = [n for a in assignment or [] for n in assign.exercises_of(a)]
+        notebooks = [assign.NotebookPlan(path, error=reason, found=names or exercises_of_number(path.name))
+                     for path in submission.notebooks]
+        return assign.SubmissionPlan(notebooks, list(assignment or []))
+
+
+def _result(future, plan, weights) -> judge.NotebookGrade:
+    """The notebook's grade, or 0 with the reason when grading it raised (that notebook alone)."""
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 - one notebook must not stop the class
+        grade = judge.NotebookGrade(str(plan.path), status="failed")
+        grade.notes.append(f"the grader failed on this notebook: {type(exc).__name__}: {str(exc)[:300]}")
+        grade.tests = [judge._zero(registry.get(name), "not graded: " + grade.notes[-1],
+                                   (weights or {}).get(name)).to_dict() for name in plan.grade]
+        return grade
 
 
 def _report(stream, done, total, submission, grade, started) -> None:

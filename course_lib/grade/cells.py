@@ -246,12 +246,13 @@ class _Budget:
             raise _Unsafe("its functions read each other too deeply to follow in the time planning may take")
 
 
-def cells_to_run(sources, answer_names) -> tuple[list[int], str]:
+def cells_to_run(sources, answer_names, progress=None) -> tuple[list[int], str]:
     """The positions (in `sources`) of the cells grading must run, in order, and a note on the decision.
 
     Args:
         sources: the notebook's code cells' sources, in order.
         answer_names: the names the graded answers have in the notebook.
+        progress: called with each cell's index before it is analysed (`reading` reports where time went).
 
     Returns:
         (indices, note): every index and the reason when the analysis cannot follow the notebook.
@@ -266,13 +267,24 @@ def cells_to_run(sources, answer_names) -> tuple[list[int], str]:
         ([2], '')
     """
     try:
-        return _plan(sources, answer_names), ""
+        return _plan(sources, answer_names, progress), ""
     except _Unsafe as exc:
         return list(range(len(sources))), f"every cell ran: {exc}"
 
 
-def _plan(sources, answer_names) -> list[int]:
-    cells = [Analysis(source) for source in sources]
+def _analyse(source: str) -> Analysis:
+    try:
+        return Analysis(source)
+    except RecursionError:
+        raise _Unsafe("a cell nests its code deeper than the analysis follows") from None
+
+
+def _plan(sources, answer_names, progress=None) -> list[int]:
+    cells = []
+    for index, source in enumerate(sources):
+        if progress is not None:
+            progress(index)
+        cells.append(_analyse(source))
     size = sum(len(cell.binds) + len(cell.reads) + len(cell.stores) + len(cell.handles) + len(cell.top_calls)
                for cell in cells)
     budget = _Budget(100_000 + 50 * (size + len(cells)))

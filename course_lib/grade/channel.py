@@ -13,9 +13,12 @@ import time
 
 from course_lib.exercises import wire
 
-__all__ = ["send", "receive", "ChannelError", "ChannelClosed", "ChannelTimeout"]
+__all__ = ["send", "receive", "ChannelError", "ChannelClosed", "ChannelTimeout", "REPLY_LIMIT"]
 
 _HEADER = struct.Struct(">I")
+# The judge's limit on one reply from a sandbox: the largest a complete grading sends is under 1 MB (notebook 11's
+# batches), and a reply is held three times over while it is decoded.
+REPLY_LIMIT = 8 * 2**20
 
 
 class ChannelError(RuntimeError):
@@ -54,7 +57,7 @@ def _read_exactly(fd: int, count: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def receive(fd: int, timeout: float | None = None, limit: int = wire.MAX_BYTES):
+def receive(fd: int, timeout: float | None = None, limit: int = REPLY_LIMIT):
     """The next value from `fd`, decoded as data only.
 
     Raises:

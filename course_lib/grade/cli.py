@@ -116,21 +116,56 @@ def _nbgrader_csv(path, assignment, submission_grades) -> None:
 
 
 def _file_name(name: str) -> str:
-    """A student's name as a file name in OUT: no folder separators, no leading dot."""
+    """A student's name as a file name in OUT: no folder separators, no leading dot, at most 200 characters."""
     safe = "".join(c if c.isprintable() and c not in "/\\\0" else "_" for c in name).lstrip(".") or "_"
     return safe[:200]
+
+
+def _file_names(names) -> dict:
+    """{name: its results file's name, without .json}: distinct for distinct names. Where two names would make
+    the same file (a name with a character a file name cannot hold, one cut at 200 characters, two that differ
+    only in case, which a case-insensitive disk such as macOS's merges), each of them that was changed (or all,
+    for names that differ only in case) gets the first 8 hex digits of its SHA-256 appended."""
+    import hashlib
+
+    from course_lib.grade.notebook import safe_name
+
+    def tagged(name):
+        return f"{_file_name(name)[:190]}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+    plain = {name: _file_name(name) for name in names}
+    groups: dict = {}
+    for name, file in plain.items():
+        groups.setdefault(file.casefold(), []).append(name)
+    files = {}
+    for group in groups.values():
+        if len(group) == 1:
+            files[group[0]] = plain[group[0]]
+            continue
+        unchanged = [n for n in group if plain[n] == n]
+        for name in group:
+            keep = name in unchanged and len({u.casefold() for u in unchanged}) == len(unchanged) and len(unchanged) == 1
+            files[name] = plain[name] if keep else tagged(name)
+    seen: dict = {}
+    for name, file in files.items():          # a name chosen to equal another's tagged file: refuse, naming both
+        other = seen.setdefault(file.casefold(), name)
+        if other != name:
+            raise ValueError(f"the students {safe_name(other)!r} and {safe_name(name)!r} would both be written to "
+                             f"{safe_name(file)}.json: rename one of their folders and grade again")
+    return files
 
 
 def _write_class(out: pathlib.Path, submission_grades, seconds) -> None:
     from course_lib.grade.results import dump_json, submission_json, write_csv
 
     out.mkdir(parents=True, exist_ok=True)
+    files = _file_names([s.name for s in submission_grades])
     for submission in submission_grades:
         results = submission_json(submission)
         results.update(submission=submission.name, status=submission.status, assignments=submission.assignments)
         if submission.problem:
             results["output"] = submission.problem
-        dump_json(out / f"{_file_name(submission.name)}.json", results)
+        dump_json(out / f"{files[submission.name]}.json", results)
     write_csv(out / "grades.csv", submission_grades)
 
 
@@ -191,7 +226,19 @@ def _options(args, parser) -> dict:
     return {"isolation": isolation, "limits": limits, "assignment": assignment}
 
 
+def _stop_cleanly(signum, frame):
+    """SIGTERM or SIGHUP (a `kill`, a closed terminal, a CI job cancelled): end as Ctrl-C does, so every sandbox is
+    stopped and every work folder removed on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for number in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(number, _stop_cleanly)
     if argv is None and "COURSE_LIB_GRADE_ARGV" in os.environ:
         argv = json.loads(os.environ.pop("COURSE_LIB_GRADE_ARGV"))
     parser = _parser()
@@ -257,6 +304,11 @@ def main(argv=None) -> int:
 
     _say_who_runs_the_code(options["isolation"], options["limits"], sys.stderr)
     several = len(submissions) > 1 or bool(args.class_dir or args.nbgrader)
+    if several:
+        try:
+            _file_names([s.name for s in submissions])      # two students, one results file: refused before grading
+        except ValueError as exc:
+            parser.error(str(exc))
     started = time.monotonic()
     try:
         grades = batch.grade_submissions(submissions, jobs=args.jobs, weights=weights, timeout=args.timeout,

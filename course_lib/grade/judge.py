@@ -23,14 +23,14 @@ import os
 import pathlib
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 from course_lib.exercises import QUESTION_NOT_DONE, registry, runner
 from course_lib.exercises.report import Result, format_points
-from course_lib.grade import assign
-from course_lib.grade.cells import cells_to_run
+from course_lib.grade import assign, reading
 from course_lib.grade.notebook import NotebookError, code_cells, exercises_of_number, read_file, read_notebook
 from course_lib.grade.sandbox import (Limits, Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
                                       SandboxUser, choose_isolation, default_user, human, limit_words, release_users,
@@ -38,6 +38,9 @@ from course_lib.grade.sandbox import (Limits, Sandbox, SandboxDied, SandboxError
 
 __all__ = ["NotebookGrade", "grade_notebook", "GRADING_BUDGET"]
 
+STOP = threading.Event()  # set when the grader is stopped from outside: no sandbox starts, no cell runs after it
+WORK_PREFIXES = ("course_lib-grade-", "course_lib-grading-")   # the judge's work folders in the temporary folder
+OWNER_FILE = "judge.pid"  # in each: the judge process that made it (a later run removes it when that one is gone)
 GRADING_BUDGET = 300.0    # seconds one exercise's hidden cases may take in all (the learner's check has 45)
 _VALUE_TIMEOUT = 60.0     # seconds a question's answer may take to compute (a formula on the whole grid)
 _CELL_NOTES = 20          # notes on cells that raised, at most (then how many more)
@@ -183,7 +186,8 @@ class _Session:
 
     def _plan(self):
         kept = [i for i in range(len(self.cells)) if i not in self.skip]
-        plan, why = cells_to_run([self.cells[i][1] for i in kept], self.answer_names)
+        plan, why = reading.plan([self.cells[i][1] for i in kept], self.answer_names,
+                                 positions=[self.cells[i][0] for i in kept])
         return [kept[i] for i in plan], why
 
     def describe_plan(self) -> str:
@@ -196,6 +200,8 @@ class _Session:
     def sandbox(self) -> Sandbox:
         """A sandbox in which the planned cells have run (all but those that killed it)."""
         while self.box is None:
+            if STOP.is_set():
+                raise SandboxTimeout("grading was stopped")
             if self._left() <= 0:
                 raise SandboxTimeout("the notebook ran out of time")
             started = time.monotonic()
@@ -235,6 +241,8 @@ class _Session:
         for position in self.plan:
             position_in_notebook, source = self.cells[position]
             left = self._left()
+            if STOP.is_set():
+                return None
             if left <= 0:
                 self.run_notes.append(f"the notebook ran out of time at cell {position_in_notebook}; "
                                       "the cells after it did not run")
@@ -408,6 +416,44 @@ def _workdir(root, user: SandboxUser | None, isolation: str, name: str, data: by
     return folder, None
 
 
+def make_workroot(prefix: str) -> pathlib.Path:
+    """A work folder of the judge's in the temporary folder, marked with this process's id; the folders of judges
+    that are gone (killed before they could remove theirs) are removed first."""
+    remove_stale_workroots()
+    root = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    (root / OWNER_FILE).write_text(str(os.getpid()))
+    root.chmod(0o711)          # a sandbox may enter its own folder here, not list the others
+    return root
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_workroots() -> int:
+    """Remove the work folders (and the submissions' copies in them) of judges that no longer run; how many."""
+    removed = 0
+    for folder in pathlib.Path(tempfile.gettempdir()).glob("course_lib-grad*-*"):
+        if not folder.name.startswith(WORK_PREFIXES) or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            owner = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _alive(owner):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, timeout: float = 900.0,
                    cell_timeout: float = 300.0, weights: dict | None = None,
                    case_timeout: float | None = None, isolation: str | None = None, limits: Limits | None = None,
@@ -473,38 +519,42 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
         (user,) = sandbox_users(1, default_user())
     exercises_ = [registry.get(name) for name in names]
     own_root = workroot is None
-    root = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-grade-")) if own_root else pathlib.Path(workroot)
-    if own_root:
-        root.chmod(0o711)          # the sandbox may enter its own folder here, not list the others
+    root = make_workroot(WORK_PREFIXES[0]) if own_root else pathlib.Path(workroot)
     workdir, copy = _workdir(root, user, isolation, path.name, data)
-    session = _Session(path, code_cells(notebook), [e.answer_name for e in exercises_], workdir,
-                       root / f"{workdir.name}.log", user, cell_timeout, started + timeout, grade,
-                       isolation=isolation, limits=limits, notebook=copy)
+    session = None
     checks = {}
     try:
+        session = _Session(path, code_cells(notebook), [e.answer_name for e in exercises_], workdir,
+                           root / f"{workdir.name}.log", user, cell_timeout, started + timeout, grade,
+                           isolation=isolation, limits=limits, notebook=copy)
         for exercise in exercises_:
             before = time.monotonic() - sum(session.timings.values())
             result = _check(session, exercise, weights.get(exercise.name), case_timeout)
             checks[exercise.name] = time.monotonic() - sum(session.timings.values()) - before
             grade.tests.append(result.to_dict())
+    except NotebookError as exc:                  # its cells could not be read within the reader's limits
+        grade.status = exc.kind
+        grade.notes.append(str(exc))
     except SandboxStartError as exc:
         grade.status = "unrunnable"
         grade.notes.append(str(exc))
     except Exception as exc:  # noqa: BLE001 - the grader itself failed: say so, grade nothing from this notebook
         grade.status = "failed"
-        grade.notes.append(f"the grader failed on this notebook: {type(exc).__name__}: {exc}")
+        grade.notes.append(f"the grader failed on this notebook: {type(exc).__name__}: {str(exc)[:300]}")
     finally:
         try:
-            session.stop()
+            if session is not None:
+                session.stop()
         except Exception as exc:  # noqa: BLE001 - say so on this notebook; the others are graded all the same
             grade.status = "failed"
             grade.notes.append(f"the grader failed to stop this notebook's sandbox: {type(exc).__name__}: {exc}")
-        grade.info.append(session.describe_plan())
-        if session.log_tail:
+        if session is not None:
+            grade.info.append(session.describe_plan())
+        if session is not None and session.log_tail:
             grade.info.append("the sandbox's own output ended: " + session.log_tail)
-        if session.raised > _CELL_NOTES:
+        if session is not None and session.raised > _CELL_NOTES:
             grade.notes.append(f"{session.raised - _CELL_NOTES} more cells raised errors (not listed)")
-        if session.left_running:
+        if session is not None and session.left_running:
             grade.notes.append(f"{session.left_running} process{'es' if session.left_running != 1 else ''} the "
                                "notebook started were still running after grading and were stopped")
         if own_user:
@@ -520,7 +570,7 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
     if grade.status != "graded":
         grade.tests = [_zero(e, f"not graded: {grade.notes[-1]}", weights.get(e.name)).to_dict() for e in exercises_]
     grade.seconds = time.monotonic() - started
-    grade.timings = {**{k: round(v, 3) for k, v in session.timings.items()},
+    grade.timings = {**{k: round(v, 3) for k, v in (session.timings if session is not None else {}).items()},
                      "checks": {k: round(v, 3) for k, v in checks.items()}}
     return grade
 

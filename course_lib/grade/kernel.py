@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     os.makedirs(os.environ.get("TMPDIR", "/tmp"), exist_ok=True)
     from course_lib.grade import channel
 
-    from course_lib.exercises import registry
+    from course_lib.exercises import registry, wire
 
     # Every exercise module imported once, here: the ranks are forked from this process, and a module each
     # rank imported for itself would cost every rank of every launch its import time again.
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     channel.send(args.fd_out, {"ready": True})
     while True:
         try:
-            request = channel.receive(args.fd_in)
+            request = channel.receive(args.fd_in, limit=wire.MAX_BYTES)      # the judge's own requests
         except channel.ChannelClosed:
             return 0
         except KeyboardInterrupt:        # an interrupt meant for a cell that had already finished

@@ -8,8 +8,9 @@ refuses, with a message that says what to do:
   at another student's work or at a file only root may read), a device, a pipe, a socket ('refused');
 * what is too large to be a notebook of the course: more than MAX_NOTEBOOK_BYTES, MAX_CELLS cells or
   MAX_CODE_CHARS characters of code ('too large', answered before any cell is looked at);
-* what is not a Python notebook: a file that is not JSON, JSON that is not a notebook, a notebook for another
-  language ('unreadable', 'unrunnable').
+* what is not a Python notebook: a file that is not JSON (or JSON nested deeper than a notebook), JSON that is
+  not a notebook, a notebook for another language ('unreadable', 'unrunnable');
+* what the reading itself cannot finish within its limits of time and memory ('too large': `reading`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import pathlib
 import re
 import stat
 
-__all__ = ["read_notebook", "read_file", "exercises_in", "exercises_of_number", "NotebookError", "CHECK_CALL",
-           "code_cells", "MAX_NOTEBOOK_BYTES", "MAX_CELLS", "MAX_CODE_CHARS", "safe_name"]
+__all__ = ["read_notebook", "parse_notebook", "read_file", "exercises_in", "exercises_of_number", "NotebookError", "CHECK_CALL",
+           "code_cells", "MAX_NOTEBOOK_BYTES", "MAX_CELLS", "MAX_CODE_CHARS", "safe_name", "visible"]
 
 CHECK_CALL = re.compile(r"""exercises\s*\.\s*check\s*\(\s*["']([A-Za-z0-9_]+)["']""")
 # The course's largest notebook has 0.8 MB, 71 cells and 42,251 characters of code (11_beat_the_ring, with its
@@ -49,11 +50,22 @@ def _text(value) -> str | None:
     return None
 
 
+def visible(text, lines: bool = True) -> str:
+    """Text a submission produced (an error it raised, a name) as it may be shown on a terminal, in a CSV or in a
+    results file: every control character (a terminal's escape sequences, a carriage return, the bidirectional
+    overrides) written as its escape, so it can neither erase nor forge what is printed around it. `lines`:
+    keep line breaks and tabs (False: escape them too, for one row of a table)."""
+    text = str(text)
+    keep = "\n\t" if lines else ""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
 def safe_name(name) -> str:
     """A file or student name as it may be shown: control characters (a terminal's escape sequences among them)
     written as escapes, at most 200 characters."""
-    text = str(name)
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    shown = visible(name, lines=False)
     return shown if len(shown) <= 200 else shown[:197] + "..."
 
 
@@ -101,18 +113,37 @@ def read_file(path) -> bytes:
 
 
 def read_notebook(path, data: bytes | None = None) -> dict:
-    """The notebook at `path` as {'cells': [{'cell_type', 'source', 'metadata'}, ...], 'metadata': {...}}
-    (sources as strings), or NotebookError saying why it cannot be graded (see the module's docstring).
-    `data`: its bytes, when already read with `read_file`."""
+    """The notebook at `path` as {'cells': [{'cell_type', 'source', 'metadata'}, ...], 'metadata': {}}: each code
+    cell's source as a string (other cells' as ''), each cell's metadata only its nbgrader grade_id; or
+    NotebookError saying why it cannot be graded (see the module's docstring). `data`: its bytes, when already
+    read with `read_file`. The parsing runs in a child process with limits on time and memory
+    (`reading.read`): nothing in the file can cost the judge more than that."""
+    from course_lib.grade import reading
+
     path = pathlib.Path(path)
-    name = safe_name(path.name)
     if data is None:
         data = read_file(path)
+    return reading.read(data, path.name)
+
+
+def _nbgrader_id(metadata: dict) -> dict:
+    nbgrader = metadata.get("nbgrader")
+    grade_id = nbgrader.get("grade_id") if isinstance(nbgrader, dict) else None
+    return {"nbgrader": {"grade_id": grade_id[:200]}} if isinstance(grade_id, str) else {}
+
+
+def parse_notebook(data: bytes, filename: str) -> dict:
+    """`read_notebook`'s answer, worked out here: run it only where a RecursionError or a large allocation costs
+    nothing but this notebook (`reading`'s child process)."""
+    name = safe_name(pathlib.Path(filename).name)
     try:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise NotebookError("unreadable", f"{name} is not a Jupyter notebook (not JSON: {exc}). Submit the "
                                           ".ipynb file that Jupyter saves, not an export.") from None
+    except RecursionError:
+        raise NotebookError("unreadable", f"{name} is JSON nested deeper than any notebook (Jupyter's nest a few "
+                                          "levels): submit the .ipynb file that Jupyter saves") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
         if isinstance(raw, dict) and "worksheets" in raw:
             raise NotebookError("unreadable", f"{name} is an old (nbformat 3) notebook: open it in Jupyter and "
@@ -135,13 +166,15 @@ def read_notebook(path, data: bytes | None = None) -> dict:
         if source is None:
             raise NotebookError("unreadable", f"{name} is a damaged notebook: cell {index} has no source text")
         cell_metadata = cell.get("metadata") if isinstance(cell.get("metadata"), dict) else {}
-        cells.append({"cell_type": cell.get("cell_type"), "source": source, "metadata": cell_metadata})
-        if cell.get("cell_type") == "code":
+        kind = cell.get("cell_type") if isinstance(cell.get("cell_type"), str) else None
+        cells.append({"cell_type": kind, "source": source if kind == "code" else "",
+                      "metadata": _nbgrader_id(cell_metadata)})
+        if kind == "code":
             code += len(source)
     if code > MAX_CODE_CHARS:
         raise NotebookError("too large", f"{name} has {code:,} characters of code, more than the {MAX_CODE_CHARS:,} "
                                          "the grader reads (the course's notebooks have under 50,000)")
-    return {"cells": cells, "metadata": metadata}
+    return {"cells": cells, "metadata": {}}
 
 
 def code_cells(notebook) -> list[tuple[int, str]]:

@@ -27,7 +27,7 @@ import tempfile
 
 from course_lib.exercises.report import format_points
 
-from course_lib.grade.notebook import safe_name
+from course_lib.grade.notebook import safe_name, visible
 
 __all__ = ["results_json", "submission_json", "table", "write_csv", "write_atomically", "exercise_columns",
            "csv_cell"]
@@ -36,8 +36,8 @@ _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def csv_cell(value) -> str:
-    """A CSV cell that no spreadsheet reads as a formula."""
-    text = str(value)
+    """A CSV cell that no spreadsheet reads as a formula, its control characters written as escapes."""
+    text = visible(value, lines=False)
     return "'" + text if text.startswith(_FORMULA_STARTS) else text
 
 
@@ -89,6 +89,9 @@ def results_json(grades, *, seconds: float | None = None, notes=()) -> dict:
                                                                                    **g.timings} for g in grades}}}
     if seconds is not None:
         result["execution_time"] = round(seconds)
+    result["output"] = visible(result["output"])
+    for test in tests:            # what a submission produced, shown by Gradescope and read by instructors
+        test["name"], test["output"] = visible(test["name"], lines=False), visible(test["output"])
     return result
 
 
@@ -115,9 +118,10 @@ def table(grades, verbose: bool = False, label_of=None, notes=()) -> str:
     possible = sum(g.max_score for g in grades)
     total = min(sum(g.score for g in grades), possible)
     rows.append(("total", "", f"{format_points(total)}/{format_points(possible)}", ""))
+    rows = [tuple(visible(cell, lines=False) for cell in row) for row in rows]
     widths = [max(len(r[i]) for r in rows + [("submission", "exercise", "points", "")]) for i in range(3)]
     lines = [f"{'submission':<{widths[0]}}  {'exercise':<{widths[1]}}  {'points':>{widths[2]}}  result"]
-    for row in rows:
+    for row in rows:     # (escaped above: a cell's error can neither erase a row nor print one of its own)
         lines.append(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]}".rstrip())
     return "\n".join(lines)
 
