@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -201,3 +202,76 @@ def test_the_reader_refuses_what_it_cannot_finish_and_names_the_cell():
     assert time.monotonic() - started < reading.SECONDS + 10
     assert getattr(refused.value, "kind", None) == "too large"
     assert "cell 1 " not in str(refused.value)                  # one of the slow cells, not the first
+
+
+def _work_folders() -> set:
+    return {p for p in pathlib.Path(tempfile.gettempdir()).glob("course_lib-grad*-*")
+            if (p / "judge.pid").exists()}
+
+
+def _user_processes(prefix: str) -> list:
+    import pwd
+
+    uids = {p.pw_uid for p in pwd.getpwall() if p.pw_name.startswith(prefix)}
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = next(int(l.split()[1]) for l in status.read_text().splitlines() if l.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if uid in uids:
+            found.append(status.parent.name)
+    return found
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "users"])
+def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation):
+    """SIGTERM while a sandbox runs a cell: the judge ends within seconds, its sandboxes' processes and its work
+    folders (the submissions' copies in them) are gone. SIGKILL cannot be caught: the next run removes what the
+    killed judge left."""
+    from test_grade_isolation import _namespaces_or_fail, clean_machine
+
+    if isolation == "namespaces":
+        _namespaces_or_fail()
+    for student in ("slow_a", "slow_b"):
+        _write(tmp_path / "class" / student / NB06, [ANSWERS_06, "import time\ntime.sleep(600)\nring_steps = ring_steps"])
+    before = _work_folders()
+
+    def start(klass="class"):
+        command = [sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / klass), "--out",
+                   str(tmp_path / "grades"), "--isolation", isolation, "--jobs", "2"]
+        if isolation == "users":
+            command = clean_machine(command)
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                                env={**os.environ, "COURSE_LIB_GRADE_USER": USER + "_stop"}, start_new_session=True)
+
+    def wait_for_a_sandbox(judge):
+        deadline = time.monotonic() + 120
+        while not _user_processes(USER + "_stop") and time.monotonic() < deadline and judge.poll() is None:
+            time.sleep(0.5)
+        if not _user_processes(USER + "_stop"):
+            os.killpg(judge.pid, signal.SIGKILL)
+            raise AssertionError(f"no sandbox started: {judge.communicate()[1][-2000:]}")
+        time.sleep(3)                                    # the cell is sleeping now
+
+    judge = start()
+    wait_for_a_sandbox(judge)
+    stopped = time.monotonic()
+    os.killpg(judge.pid, signal.SIGTERM)                  # as a terminal's close or a job's cancel: all of its group
+    judge.communicate(timeout=60)
+    assert time.monotonic() - stopped < 30
+    assert _work_folders() - before == set()
+    assert _user_processes(USER + "_stop") == []
+
+    judge = start()
+    wait_for_a_sandbox(judge)
+    os.killpg(judge.pid, signal.SIGKILL)                  # nothing runs on the way out
+    judge.communicate(timeout=60)
+    left = _work_folders() - before
+    assert left, "a killed judge leaves its folders (the next run removes them)"
+    _write(tmp_path / "next" / "quick" / NB06, [ANSWERS_06])
+    judge = start("next")                                 # the next run, with the same sandbox users
+    _, stderr = judge.communicate(timeout=300)
+    assert judge.returncode == cli.EXIT_OK, stderr[-2000:]
+    assert not any(folder.exists() for folder in left)
+    assert _user_processes(USER + "_stop") == []          # swept when the next run took its users
