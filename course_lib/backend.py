@@ -222,11 +222,23 @@ class ProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst, tag):
         (tensor,) = tensors
+        self._check_peer(dst, "dst")
         return _send(_layers, 0, self, tensor, dst, tag)
 
     def recv(self, tensors, src, tag):
         (tensor,) = tensors
+        self._check_peer(src, "src")
         return _recv(_layers, 0, self, tensor, src, tag)
+
+    def _check_peer(self, peer, name) -> None:
+        """A peer outside the group is refused here, plainly, before gloo turns it into a crash (SIGSEGV) or a hang."""
+        size = self.size()
+        if not isinstance(peer, bool) and isinstance(peer, int) and 0 <= peer < size:
+            return
+        call = caller() or ("send" if name == "dst" else "recv")
+        verb = "tried to send to" if name == "dst" else "tried to receive from"
+        raise ValueError(f"{call}: rank {self.rank()} {verb} rank {peer}, which does not exist: {name}={peer!r} is not "
+                         f"a rank of this group; the ranks are 0..{size - 1} (world_size={size}).")
 
     def recv_anysource(self, tensors, tag):
         (tensor,) = tensors

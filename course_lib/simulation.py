@@ -53,9 +53,15 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
+import sys
+import textwrap
+import time
 from dataclasses import dataclass, field
 
 from course_lib.schedules import schedule
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep      # course_lib/
 
 __all__ = ["Simulator", "SimulationError", "ModeledDeadlock", "ScheduleError", "replay", "replay_threads", "Timing",
            "schedule",
@@ -661,7 +667,7 @@ def replay_threads(threads_by_rank, network) -> Timing:
             if event and event[0] == "wait":
                 peer = script[event[1]][1]
             raise ScheduleError(f"rank {rank} waits for a message from rank {peer if peer is not None else '?'} that "
-                                f"was never sent in the recorded schedule ({stuck or 'nothing left to run'})")
+                                f"was never sent in the recorded schedule{_listed(stuck)}")
         for actor_id, _request, when, _detail in sorted(woken):
             k = which[actor_id]
             clock[k] = max(clock[k], when)
@@ -674,6 +680,25 @@ def replay_threads(threads_by_rank, network) -> Timing:
     hops = sim.actors[ids[last]].hops if actors else 0
     busiest = max((max(o, i) for o, i in zip(sim.bytes_out, sim.bytes_in)), default=0)
     return Timing(max(per_rank, default=0.0), hops, busiest, per_rank)
+
+
+def _listed(stuck, shown: int = 6, width: int = 110) -> str:
+    """What every blocked rank waits for (`Simulator.deadlock`), one rank a line, the first `shown` of them: on 64
+    ranks the whole list is kilobytes on one line."""
+    if not stuck:
+        return " (nothing left to run)."
+    parts = stuck.split("; ")
+    finished = [p for p in parts if not p.startswith("rank ") or p.endswith(" finished")]
+    waiting = [p for p in parts if p not in finished]
+    lines = [textwrap.shorten(p, width) for p in waiting[:shown]]
+    if len(waiting) > shown:
+        lines.append(f"... and {len(waiting) - shown} more ranks waiting")
+    for part in finished:
+        if len(part) > width:          # 'ranks 0, 1, ..., 63 have finished': the first few and the count
+            done = part.split(" have finished")[0].removeprefix("ranks ").split(", ")
+            part = f"ranks {', '.join(done[:8])}, ... ({len(done)} ranks in all) have finished"
+        lines.append(part)
+    return ":\n  " + "\n  ".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -693,8 +718,53 @@ _SCHEDULES = {"all_to_all": "pairwise", "gather": "direct_gather", "scatter": "d
 _cache: dict = {}
 
 
+PROGRESS_AFTER = 3.0     # seconds of simulation in a row of direct calls after which collective_time says how far it is
+_progress = {"calls": 0, "seconds": 0.0, "shown": 0.0, "last": 0.0}
+
+
+def _called_from_outside() -> bool:
+    """True when the caller of collective_time is not course_lib itself (a learner's loop, not a launch's clock)."""
+    frame = sys._getframe(2)
+    return frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+
+
+def _show_progress(kind, nbytes, group, started) -> None:
+    """A line on stderr every PROGRESS_AFTER seconds while direct calls keep simulating: a search over sizes on
+    256 ranks (a call each of several seconds) otherwise shows nothing for minutes."""
+    now = time.monotonic()
+    state = _progress
+    if started - state["last"] > 30:           # a new search
+        state.update(calls=0, seconds=0.0, shown=0.0)
+    state["calls"] += 1
+    state["seconds"] += now - started
+    state["last"] = now
+    if state["seconds"] >= PROGRESS_AFTER and state["seconds"] - state["shown"] >= PROGRESS_AFTER:
+        state["shown"] = state["seconds"]
+        print(f"collective_time: {state['calls']} call{'s' if state['calls'] > 1 else ''} so far, "
+              f"{state['seconds']:.0f} s of simulation (the last: {kind} of {nbytes:,} bytes on {group} ranks, "
+              f"{now - started:.1f} s; NCCL's choice is simulated message by message, and a call repeated with the "
+              "same arguments is cached)", file=sys.stderr, flush=True)
+
+
 def collective_time(network, kind: str, nbytes: int, members, root: int | None = None,
                     with_algorithm: bool = False, element_size: int = 4):
+    """Seconds a built-in collective takes on an idle `network` over global ranks `members` (in group order).
+
+    See `_collective_time`. Called from outside course_lib (a notebook's own loop), a run of calls that simulates
+    for more than PROGRESS_AFTER seconds prints how far it is on stderr, every PROGRESS_AFTER seconds.
+    """
+    if not _called_from_outside():
+        return _collective_time(network, kind, nbytes, members, root, with_algorithm, element_size)
+    started = time.monotonic()
+    members = tuple(members)
+    try:
+        return _collective_time(network, kind, nbytes, members, root, with_algorithm, element_size)
+    finally:
+        _show_progress(kind, nbytes, len(members), started)
+
+
+def _collective_time(network, kind: str, nbytes: int, members, root: int | None = None,
+                     with_algorithm: bool = False, element_size: int = 4):
     """Seconds a built-in collective takes on an idle `network` over global ranks `members` (in group order).
 
     `nbytes`: the tensor's bytes for all_reduce, broadcast and reduce; the whole buffer (G pieces) for

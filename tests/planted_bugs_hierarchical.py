@@ -193,6 +193,62 @@ def hier_no_fold(tensor, node_size):               # the ranks of a smaller last
     _hierarchical(tensor, node_size, no_fold=True)
 
 
+def hier_no_fold_runs_phases(tensor, node_size):
+    """The learner's slip: no fold at all; the smaller last node's ranks run the three phases as if it were full,
+    so one of them sends to a rank past the last (rank 2 sends to rank 3 at G = 3 in nodes of 2)."""
+    rank, G = dist.get_rank(), dist.get_world_size()
+    k = min(node_size, G)
+    _three_phases(tensor, k, max(1, G // k), rank)
+
+
+def hier_averages(tensor, node_size):             # divides by G before the result goes back: an average
+    rank, G = dist.get_rank(), dist.get_world_size()
+    k = min(node_size, G)
+    M = max(1, G // k)
+    if rank >= M * k:
+        dist.send(tensor, rank - k)
+        dist.recv(tensor, rank - k)
+        return
+    guest = rank + k if M * k <= rank + k < G else None
+    if guest is not None:
+        incoming = torch.empty_like(tensor)
+        dist.recv(incoming, guest)
+        tensor += incoming
+    # the notebook's three phases (the fold is done above), then the division
+    _three_phases(tensor, k, M, rank)
+    tensor.div_(G)
+    if guest is not None:
+        dist.send(tensor, guest)
+
+
+def _three_phases(tensor, k, M, rank):
+    node, i = divmod(rank, k)
+    right, left = node * k + (i + 1) % k, node * k + (i - 1) % k
+    shards = torch.tensor_split(tensor, k)
+    for s in range(k - 1):
+        incoming = torch.empty_like(shards[(i - s - 1) % k])
+        request = dist.isend(shards[(i - s) % k], right)
+        dist.recv(incoming, left)
+        request.wait()
+        shards[(i - s - 1) % k].add_(incoming)
+    pieces = torch.tensor_split(shards[(i + 1) % k], M)
+    up, down = ((node + 1) % M) * k + i, ((node - 1) % M) * k + i
+    for s in range(M - 1):
+        incoming = torch.empty_like(pieces[(node - s - 1) % M])
+        request = dist.isend(pieces[(node - s) % M], up)
+        dist.recv(incoming, down)
+        request.wait()
+        pieces[(node - s - 1) % M].add_(incoming)
+    for s in range(M - 1):
+        request = dist.isend(pieces[(node + 1 - s) % M], up)
+        dist.recv(pieces[(node - s) % M], down)
+        request.wait()
+    for s in range(k - 1):
+        request = dist.isend(shards[(i + 1 - s) % k], right)
+        dist.recv(shards[(i - s) % k], left)
+        request.wait()
+
+
 def hier_fold_into_rank_0(tensor, node_size):      # every folded rank hands its tensor to rank 0
     _hierarchical(tensor, node_size, fold_to_zero=True)
 

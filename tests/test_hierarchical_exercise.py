@@ -85,10 +85,11 @@ def test_a_blank_answer_scores_zero():
 
 
 # One-token slips and the rubric lines each must miss: each scores 20-85% and the feedback names what it missed.
-SLIPS = [(pb.hier_rs_shard_plus, {"reduce_scatter", "values"}),          # (i + s) for (i - s): 6.5/10
-         (pb.hier_rs_overwrites, {"reduce_scatter", "values"}),          # .copy_ for .add_: 6.5/10
-         (pb.hier_across_gather_plus, {"across", "values"}),             # (m + 1 + s) for (m + 1 - s): 6.5/10
-         (pb.hier_inside_gather_adds, {"all_gather", "values"})]         # add for copy: 7/10
+# Each leaves wrong values in the timed case too, and the timed point needs the right values.
+SLIPS = [(pb.hier_rs_shard_plus, {"reduce_scatter", "values", "timed"}),     # (i + s) for (i - s): 6/10
+         (pb.hier_rs_overwrites, {"reduce_scatter", "values", "timed"}),     # .copy_ for .add_: 6/10
+         (pb.hier_across_gather_plus, {"across", "values", "timed"}),        # (m + 1 + s) for (m + 1 - s): 6/10
+         (pb.hier_inside_gather_adds, {"all_gather", "values", "timed"})]    # add for copy: 6.5/10
 
 
 @pytest.mark.parametrize("slip, lines", SLIPS, ids=lambda s: getattr(s, "__name__", ""))

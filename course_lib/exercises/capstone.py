@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import torch
 
-from course_lib.exercises import data
+from course_lib.exercises import data, feedback
 from course_lib.exercises.allreduce_variants import _result_problems
 from course_lib.exercises.cases import clone, standard_cases
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
@@ -233,7 +233,7 @@ class BeatTheRing(FunctionExercise):
         try:
             timing = replay([record["events"] for record in records], link)
         except (ReplayError, TypeError, ValueError, IndexError, KeyError) as exc:
-            return problems + [Problem(f"the schedule could not be timed: {exc}", order=(-1,))]
+            return problems + [Problem(feedback.readable(f"the schedule could not be timed: {exc}"), order=(-1,))]
         best_name, best = best_known(link, 4 * N, G)
         score = best / timing.seconds if timing.seconds > 0 else 1.0
         records[0]["timing"] = (timing, best_name, best, score)

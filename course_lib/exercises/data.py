@@ -19,7 +19,7 @@ from course_lib.allreduce import chunk_sizes
 
 __all__ = ["make_input", "tolerance", "decode", "decode_whole", "label", "everyone", "first_difference", "same_values",
            "which_input", "chunk_sizes", "as_float_tensor", "all_reduce_oracle", "contributors", "received_by",
-           "unexplained_contributors", "unexplained_values"]
+           "unexplained_contributors", "unexplained_values", "averaged"]
 
 
 def make_input(case, rank: int, numel: int | None = None) -> torch.Tensor:
@@ -105,6 +105,16 @@ def everyone(world_size: int) -> frozenset:
 def label(ranks, world_size: int) -> str:
     """'a+b+c' for ranks {0, 1, 2}; 'nothing' for no rank."""
     return viz.provenance_label(ranks, world_size) or "nothing"
+
+
+def averaged(actual, expected, world_size: int) -> bool:
+    """True when `actual` is `expected` (a sum over `world_size` ranks) divided by `world_size`, element by element
+    (to float32's rounding): an average where the exercise asks for the sum."""
+    a, e = as_float_tensor(actual), as_float_tensor(expected)
+    if a is None or e is None or a.shape != e.shape or world_size < 2 or a.numel() == 0 or not bool(e.abs().sum() > 0):
+        return False
+    scale = e.abs().clamp_min(1e-30)
+    return bool(((a * world_size - e).abs() <= 1e-5 * scale + 1e-30).all())
 
 
 def first_difference(actual, expected, tol=None):

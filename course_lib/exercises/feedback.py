@@ -8,9 +8,11 @@ learner's labels.
 
 from __future__ import annotations
 
+import textwrap
+
 from course_lib.exercises.tracing import describe_line, is_learner_file
 
-__all__ = ["describe_exception", "explain_errors", "explain_stuck", "explain_forbidden", "NOT_DONE",
+__all__ = ["describe_exception", "readable", "explain_errors", "explain_stuck", "explain_forbidden", "NOT_DONE",
            "PRINT_LIMIT", "explain_printing", "ranks_text"]
 
 # More than this many characters printed by one rank in one case fails the case: in a notebook it
@@ -40,10 +42,33 @@ def describe_exception(exc: BaseException) -> dict:
         if is_learner_file(code.co_filename) and code.co_name != "<module>":
             where = describe_line(code, tb.tb_lineno)
         tb = tb.tb_next
-    message = str(exc)
-    if len(message) > 600:
-        message = message[:600] + " ..."
-    return {"type": type(exc).__name__, "message": message, "where": where}
+    return {"type": type(exc).__name__, "message": readable(str(exc)), "where": where}
+
+
+LONG = 300      # characters: a message longer than this is wrapped and cut (`readable`)
+
+
+def readable(text: str, limit: int = 800, width: int = 100, lines: int = 12) -> str:
+    """A long message (a 64-rank schedule error is kilobytes on one line) made readable: wrapped at `width`
+    characters, cut to `lines` lines and `limit` characters, with what was left out said. Shorter ones are kept
+    as they are."""
+    text = str(text)
+    if len(text) <= LONG and "\n" not in text:
+        return text
+    out = []
+    for line in text.splitlines() or [""]:
+        indent = line[:len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line, width, subsequent_indent=indent + "  ", break_long_words=True) or [""]
+    kept, size = [], 0
+    for line in out:
+        if len(kept) >= lines or size + len(line) > limit:
+            break
+        kept.append(line)
+        size += len(line) + 1
+    if len(kept) < len(out):
+        left = len(text) - sum(len(line.strip()) for line in kept)
+        kept.append(f"  ... (cut: about {max(left, 0):,} more characters)")
+    return "\n".join(kept)
 
 
 def explain_errors(errors: dict, function: str, world_size: int | None = None) -> str:

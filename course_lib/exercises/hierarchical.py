@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib import backend, viz
-from course_lib.exercises import data
+from course_lib.exercises import data, feedback
 from course_lib.exercises.cases import clone
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
 from course_lib.exercises.rubric import SINGLE_RANK, Family, RubricLine
@@ -378,6 +378,10 @@ def _content_problem(case, layout, rank, message, want: Expected):
         return None
     status, holds, positions = _read(message.data, case.world_size)
     where = f"{want.where(rank, layout)} sent rank {message.peer}"
+    if status == "bad" and _averaged_message(case, message, want):
+        return (f"{where} {want.what} holding the sum of ranks {_ranks(want.holds)} divided by G = {case.world_size}: "
+                f"an average. hierarchical_allreduce must leave the sum over every rank, not the average: take out "
+                f"the division by the world size.")
     if status == "bad":
         return (f"{where} values that are no sum of distinct ranks' data: a contribution was added twice (or a "
                 f"received result added instead of copied). It should carry {want.what}, holding the sum of ranks "
@@ -404,6 +408,21 @@ def _content_problem(case, layout, rank, message, want: Expected):
                 f"{_ranks(want.holds)}: add what it received before sending it on.")
     return (f"{where} {want.what} holding the sum of ranks {_ranks(holds)}; at this step it should hold the sum of "
             f"ranks {_ranks(want.holds)}.")
+
+
+def _averaged_message(case, message, want) -> bool:
+    """True when a tagged message carries the positions and ranks it should, each value divided by G."""
+    if case.data != "tagged" or message.data is None or message.numel == 0 or case.world_size < 2:
+        return False
+    flat = data.as_float_tensor(message.data)
+    if flat is None:
+        return False
+    scaled = flat * case.world_size
+    rounded = scaled.round()
+    if not bool(((scaled - rounded).abs() <= 1e-4 * rounded.abs().clamp_min(1)).all()):
+        return False
+    status, holds, positions = _read(rounded, case.world_size)
+    return status == "ok" and holds == want.holds and positions == list(range(want.lo, want.hi))
 
 
 def _misses_own_node(case, layout, rank, message, want) -> bool:
@@ -465,7 +484,8 @@ def _match(case, layout, rank, sends, expected, complete):
             if earlier is None and want.phase.startswith("across") and layout.k > 1 \
                     and _misses_own_node(case, layout, rank, message, want):
                 earlier = ("reduce-scatter inside the node", "reduce_scatter")
-            if earlier is not None and not _wrong_positions(case, message, want):
+            if earlier is not None and not _wrong_positions(case, message, want) \
+                    and not _averaged_message(case, message, want):
                 found[0].message += f" (It sends what the {earlier[0]} left it: that phase did not finish this data.)"
                 found[0].line = earlier[1]
             return found
@@ -699,10 +719,18 @@ class HierarchicalAllReduce(FunctionExercise):
             try:
                 timing = replay([record["events"] for record in records], cluster)
             except (ScheduleError, TypeError, ValueError, IndexError, KeyError) as exc:
-                return problems + [Problem(f"the schedule could not be timed: {exc}", order=(-1,), line="timed")]
+                return problems + [Problem(feedback.readable(f"the schedule could not be timed: {exc}"), order=(-1,),
+                                           line="timed")]
             reference = cluster.predict("hierarchical", nbytes)
             times.append((cluster, timing, reference, cluster.predict("ring", nbytes)))
         records[0]["timing"] = times
+        if any(p.line == "values" for p in problems):
+            # A schedule that skips a phase is faster and wrong: its time counts only with the right sums.
+            problems.append(Problem(
+                f"the time of {nbytes // MiB} MiB per rank on {G} ranks in nodes of {case.root} does not count: its "
+                "results are wrong (above), and the timed line needs the right sums on every rank. A schedule with a "
+                "phase missing is faster than the hierarchical one, not better.", order=(7, G, case.root), line="timed"))
+            return problems
         for cluster, timing, reference, flat in times:
             score = reference / timing.seconds if timing.seconds > 0 else 0.0
             if score < THRESHOLD:
@@ -721,9 +749,11 @@ class HierarchicalAllReduce(FunctionExercise):
         for result in case_results:
             if result.case.data != "timed" or not result.records or "timing" not in (result.records[0] or {}):
                 continue
+            wrong = any(p.line == "values" for p in result.problems)
             for cluster, timing, reference, flat in result.records[0]["timing"]:
                 rows.append(f"  {cluster.name:<30} {_seconds(timing.seconds):>9} {_seconds(reference):>9} "
-                            f"{100 * reference / timing.seconds:>5.0f}% {_seconds(flat):>9}")
+                            f"{100 * reference / timing.seconds:>5.0f}% {_seconds(flat):>9}"
+                            + ("  (wrong results: not counted)" if wrong else ""))
         if not rows:
             return []
         return [f"Timed on the modeled clusters ({TIMED_BYTES // MiB} MiB per rank, your schedule replayed; score = "
@@ -740,9 +770,11 @@ def _sample_problems(case, records):
         bad = (samples != expected).nonzero()
         if bad.numel():
             i = int(bad[0])
+            average = (" divided by G: an average, where hierarchical_allreduce must leave the sum"
+                       if data.averaged(samples, expected, case.world_size) else "")
             return [Problem(f"{TIMED_BYTES // MiB} MiB on {case.world_size} ranks in nodes of {case.root}: rank {rank}'s "
                             f"element {int(positions[i])} is {float(samples[i]):.6g}; the sum over every rank is "
-                            f"{float(expected[i]):.6g}.", order=(6, rank), line="values")]
+                            f"{float(expected[i]):.6g}{average}.", order=(6, rank), line="values")]
     for rank, record in enumerate(records):
         received = sum(e[2] for e in record["events"] if isinstance(e, tuple) and e[0] in ("recv", "irecv"))
         if case.world_size > 1 and received < (case.world_size - 1) * 4 * case.numel // case.world_size:
@@ -773,6 +805,12 @@ def _result_problems(case, layout, records):
         if data.same_values(record["after"], record["start"]):
             text = (f"rank {rank}'s tensor was not changed: write the sum into `tensor` itself, in place "
                     "(tensor.copy_(...), tensor[...] += ...), not into a new tensor.")
+        elif data.averaged(record["after"], record["expected"], G):
+            index, value, want = diff
+            text = (f"after your all-reduce, rank {rank}'s element {index} ({_element_words(layout, case.numel, index)}) "
+                    f"is {value:.6g}: the sum over every rank, {want:.6g}, divided by G = {G}. Your result is the "
+                    "average over the ranks; hierarchical_allreduce must leave the sum in every rank's tensor: take "
+                    "out the division by the world size.")
         else:
             index, value, want = diff
             text = f"after your all-reduce, rank {rank}'s element {index}"
@@ -947,16 +985,17 @@ register(HierarchicalAllReduce(
             "across the nodes on each rank's rail, all-gather inside the node; a smaller last node folds in",
     rubric=(RubricLine("reduce_scatter", "inside each node, k - 1 ring steps: each rank sends one shard "
                                          "(tensor_split(tensor, k)) to its neighbour in the node, holding the sum of "
-                                         "the ranks before it", 2),
+                                         "the ranks before it", 1.5),
             RubricLine("across", "across the nodes, each rank all-reduces the shard it holds with the same local rank "
-                                 "on the other nodes only (its rail): 2(M - 1) ring steps on pieces of that shard", 2),
+                                 "on the other nodes only (its rail): 2(M - 1) ring steps on pieces of that shard", 1.5),
             RubricLine("all_gather", "inside each node, k - 1 ring steps that pass the complete shards on; the "
-                                     "receivers copy them", 1.5),
+                                     "receivers copy them", 1),
             RubricLine("values", "every rank ends with the sum over all ranks, in place", 1.5),
             RubricLine("uneven", "also right when N is not a multiple of the node size or of the number of nodes "
                                  "(some shards or pieces empty)", 0.5, family=UNEVEN),
             RubricLine("partial_node", "a node size that does not divide G: the smaller last node's ranks fold their "
-                                       "tensor into rank r - node_size and get the result back", 1, family=PARTIAL_NODE),
+                                       "tensor into rank r - node_size and get the result back", 2.5,
+                       family=PARTIAL_NODE),    # a quarter: any G is the exercise's point, the smaller node its slip
             RubricLine("timed", f"its schedule, replayed on 8 H100s in nodes on NVSwitch joined by InfiniBand (one port "
                                 f"per GPU, and one per node), takes at most 1/{THRESHOLD:g} of the hierarchical "
                                 f"schedule's time", 1, family=TIMED),

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 __all__ = ["Family", "RubricLine", "LineResult", "UNEVEN_LENGTHS", "SINGLE_RANK", "OTHER_ROOTS", "evaluate_cases",
-           "evaluate_met", "load_weights", "defaults_toml", "RubricFileError", "single_line"]
+           "evaluate_met", "load_weights", "defaults_toml", "RubricFileError", "single_line", "lines_tested_by",
+           "missed_for_good"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,37 @@ def _evidence(result, key: str, root_name: str) -> str:
     relevant = [p for p in result.problems if p.line in (key, None)] or result.problems
     first = relevant[0].message.splitlines()[0] if relevant else result.status
     return f"{result.case.label(root_name)}: {first}"
+
+
+def lines_tested_by(lines, case) -> set:
+    """The keys of the lines a case can earn: its families' lines, or the aspect lines for a core case."""
+    families = {line.key for line in lines if line.family is not None and line.family.test(case)}
+    return families or {line.key for line in lines if line.family is None}
+
+
+def missed_for_good(lines, case_results) -> set:
+    """The keys of the lines that `case_results` already cost, whatever the cases still to run show.
+
+    An aspect line is missed once a core case fails it; a family line once a case of its family fails it outright
+    (the case did not finish, or a problem is tagged with the line), or once every aspect line is missed (a family
+    line needs one met). A runner that knows the function hangs skips the cases whose lines are all in here: they
+    cannot change the score, and each would cost a launch and a timeout."""
+    keys = {line.key for line in lines}
+    aspects = {line.key for line in lines if line.family is None}
+    families = [line for line in lines if line.family is not None]
+    gone = set()
+    for result in case_results:
+        failed = _failed_lines(result, keys)
+        if not failed:
+            continue
+        claimed = [line for line in families if line.family.test(result.case)]
+        if claimed:
+            gone |= {line.key for line in claimed if line.key in failed}
+        else:
+            gone |= failed & aspects
+    if aspects and aspects <= gone:
+        gone |= {line.key for line in families}
+    return gone
 
 
 def evaluate_cases(lines, case_results, weights: dict | None = None, root_name: str = "root") -> list[LineResult]:

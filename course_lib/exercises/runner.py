@@ -20,7 +20,7 @@ What can go wrong, and what happens:
   is blocked in and reads what the others published. When every rank has finished or is blocked in a
   send or receive whose matching call no rank has made (`certain_deadlock`), no rank can ever move: the
   watchdogs write what each rank was blocked in and end the ranks at once. The case fails with an
-  explanation read from all ranks' reports, and the remaining cases of that world size are skipped.
+  explanation read from all ranks' reports.
 * an endless loop, or a hang the rule cannot be sure of (a receive from any source, a rank blocked in
   something that is not a send or receive): the watchdog notices that the case has run for
   `case_timeout` seconds, writes what the rank is blocked in (or which line of the learner's code it
@@ -30,6 +30,11 @@ What can go wrong, and what happens:
   at a later world size counts at once: an endless loop then costs one timeout per world size, not
   five, and the check reaches every world size within its budget. While retries turn out to be the
   machine's slowness, every world size keeps its retry.
+* each case is isolated: a hang or a crash costs that case and no other. The cases after it run in a new
+  launch, so a function that hangs only when, say, the last node is smaller, keeps the points of every line
+  the other cases earn. Once the function hung, a case costs a launch and perhaps a timeout, so the cases
+  whose rubric lines are all missed already (`rubric.missed_for_good`: they cannot change the score) are
+  not run, except the first of each world size: a ring that deadlocks everywhere still fails in seconds.
 * a forbidden call (a built-in collective, course_lib's own implementation): that case scores 0.
 * NotImplementedError: the exercise is "not done yet"; nothing else runs.
 * a check that runs out of its overall time budget marks the cases it did not reach as not run.
@@ -53,7 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from course_lib.exercises import feedback, registry, wire
+from course_lib.exercises import feedback, registry, rubric, wire
 from course_lib.exercises.registry import Case, Problem
 from course_lib.exercises.tracing import ForbiddenCall, Tracer, learner_frame
 
@@ -512,7 +517,7 @@ def _failed_case(exercise, case, records, stuck, launch_error, case_timeout):
         follow = "deadlock" if certain else "skip"
     else:
         text = launch_error if launch_error is not None else "the ranks stopped without a report"
-        problems.append(Problem(f"the ranks failed: {text}", order=(-1,)))
+        problems.append(Problem(feedback.readable(f"the ranks failed: {text}"), order=(-1,)))
         follow = "next"
     if loud:
         problems.insert(0, Problem(loud, order=(-2,)))
@@ -605,17 +610,53 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
         return result, follow, all(rec is not None for rec in records)
 
     hang_confirmed = False    # a hang survived its longer run: the function hangs, the machine is not just slow
+    hang = None               # (world size, found for certain) of the first case that hung in this check
+    lines = list(exercise.rubric)
+
+    def worth_running(index, first_of_size):
+        """Once the function hung, every case costs a launch and maybe a timeout: run a case only while some line it
+        tests can still be earned (the first case of each world size always runs, to show what happens there)."""
+        if hang is None or first_of_size or not lines:
+            return True
+        return not rubric.lines_tested_by(lines, cases[index]) <= rubric.missed_for_good(lines, results.values())
+
+    def not_worth_it(index):
+        G, certain = hang
+        tested = rubric.lines_tested_by(lines, cases[index])
+        everything = {line.key for line in lines} <= rubric.missed_for_good(lines, results.values())
+        text = f"not run: an earlier case with G={G} " + ("deadlocked" if certain else "hung")
+        if everything and G == cases[index].world_size:
+            text += "." if certain else f", and each would cost {case_timeout:g} s more."
+        elif everything:
+            text += ", and no line of the rubric can still be earned: fix that first."
+        else:
+            text += (f", so cases that cannot change the score are skipped: the line{'s' if len(tested) > 1 else ''} "
+                     f"this case tests ({', '.join(sorted(tested))}) {'are' if len(tested) > 1 else 'is'} missed "
+                     "already.")
+        return CaseResult(cases[index], "not run", [Problem(text)])
+
     for world_size in sorted(by_size):
-        todo, retried = by_size[world_size], hang_confirmed
+        todo, retried, first_of_size = by_size[world_size], hang_confirmed, True
         while todo:
             if time.monotonic() > deadline:
                 for index in todo:
                     results[index] = CaseResult(cases[index], "not run", [Problem(
                         f"not run: the check ran out of its {budget:g} s (earlier cases hung).")])
                 break
-            batch = run(world_size, [cases[i] for i in todo], [inputs[i] for i in todo], todo[0], case_timeout)
-            next_todo = []
-            for position, index in enumerate(todo):
+            kept = [index for position, index in enumerate(todo) if worth_running(index, first_of_size and not position)]
+            for index in todo:
+                if index not in kept:
+                    results[index] = not_worth_it(index)
+            todo, first_of_size = kept, False
+            if not todo:
+                break
+            # A launch runs consecutive cases (case first_index + k is the k-th): skipped cases split the rest.
+            block = [todo[0]]
+            while len(block) < len(todo) and todo[len(block)] == block[-1] + 1:
+                block.append(todo[len(block)])
+            batch = run(world_size, [cases[i] for i in block], [inputs[i] for i in block], block[0], case_timeout)
+            next_todo = todo[len(block):]
+            for position, index in enumerate(block):
                 result, follow, everyone = evaluate(index, batch, case_timeout)
                 if result is None:
                     return Outcome([], not_done=follow)
@@ -640,17 +681,13 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
                     if follow != "skip":
                         everyone = False      # go on with the rest of this world size in a new launch
                 results[index] = result
+                if follow == "skip" and hang is None:
+                    hang = (world_size, certain)
                 if everyone:
                     continue          # every rank reported and went on to the next case
-                rest = todo[position + 1:]
-                if follow == "skip":
-                    for later in rest:
-                        results[later] = CaseResult(cases[later], "not run", [Problem(
-                            f"not run: an earlier case with G={world_size} deadlocked."
-                            if certain else f"not run: an earlier case with G={world_size} hung, and each would "
-                            f"cost {case_timeout:g} s more.")])
-                else:
-                    next_todo = rest
+                # A hang or a crash costs this case only: the rest of this world size runs in a new launch (each
+                # case isolated), skipping, once the function is known to hang, those that cannot change the score.
+                next_todo = block[position + 1:] + next_todo
                 break
             todo = next_todo
     ordered = [results[i] for i in range(len(cases))]
