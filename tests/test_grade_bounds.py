@@ -275,3 +275,28 @@ def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation)
     assert judge.returncode == cli.EXIT_OK, stderr[-2000:]
     assert not any(folder.exists() for folder in left)
     assert _user_processes(USER + "_stop") == []          # swept when the next run took its users
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "users"])
+def test_a_ring_that_never_returns_ends_with_the_notebooks_timeout(tmp_path, isolation):
+    """--timeout 20 against a ring that never returns: the notebook's grading ends near its 20 s (it took 55.6 s),
+    the exercise scored 0 with the reason."""
+    from test_grade_isolation import _namespaces_or_fail, clean_machine
+
+    if isolation == "namespaces":
+        _namespaces_or_fail()
+    never = ("import torch, torch.distributed as dist\n\ndef ring_scatter_reduce(tensor):\n"
+             "    while True:\n        pass")
+    _write(tmp_path / "class" / "spinner" / "04_ring_scatter_reduce.ipynb", [never])
+    command = [sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / "class"), "--out",
+               str(tmp_path / "grades"), "--isolation", isolation, "--timeout", "20"]
+    if isolation == "users":
+        command = clean_machine(command)
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "COURSE_LIB_GRADE_USER": USER + "_spin"})
+    seconds = time.monotonic() - started
+    results = json.loads((tmp_path / "grades" / "spinner.json").read_text())
+    graded = sum(n["seconds"] for n in results["extra_data"]["notebooks"].values())
+    assert results["score"] == 0 and "ran out of its time" in _notes(results), _notes(results)[:2000]
+    assert graded < 20 + 15, (graded, seconds, done.stderr[-2000:])

@@ -326,12 +326,15 @@ def _int_keys(table) -> dict:
             and isinstance(value, list)}
 
 
-def _check_function(box, exercise, weights, case_timeout) -> Result:
+def _check_function(box, exercise, weights, case_timeout, left=lambda: float("inf")) -> Result:
+    """`left()`: the seconds the notebook has left; no launch of cases waits past them."""
     def run(world_size, batch, inputs, first, timeout):
+        if left() <= 0:
+            raise SandboxTimeout("the notebook ran out of time")
         reply = box.request({"op": "run", "exercise": exercise.name, "answer": exercise.answer_name,
                              "world_size": world_size, "cases": [dataclasses.asdict(c) for c in batch],
                              "inputs": inputs, "first": first, "case_timeout": timeout},
-                            timeout=timeout * (len(batch) + 1) + 60)
+                            timeout=max(1.0, min(timeout * (len(batch) + 1) + 60, left())))
         kind = reply.get("kind") if isinstance(reply, dict) else None
         if kind == "missing":
             raise _NotGradable(_zero(exercise, f"{exercise.answer_name} is not defined in the notebook (did the cell "
@@ -351,7 +354,7 @@ def _check_function(box, exercise, weights, case_timeout) -> Result:
                                 error[:2000] if isinstance(error, str) else None)
 
     outcome = runner.drive(exercise, exercise.cases(hidden=True), run, case_timeout=case_timeout,
-                           budget=GRADING_BUDGET)
+                           budget=max(1.0, min(GRADING_BUDGET, left())))
     if outcome.not_done is not None:
         return Result.not_done(exercise, outcome.not_done, weights)
     return Result.of_cases(exercise, outcome.cases, hidden=True, weights=weights)
@@ -363,7 +366,7 @@ def _check(session, exercise, weights, case_timeout) -> Result:
         if exercise.kind == "question":
             result = _check_question(box, exercise, weights)
         else:
-            result = _check_function(box, exercise, weights, case_timeout)
+            result = _check_function(box, exercise, weights, case_timeout, left=session._left)
         if box.check_limits():
             raise SandboxDied(box.why_ended())
         return result
@@ -377,6 +380,9 @@ def _check(session, exercise, weights, case_timeout) -> Result:
         if hit:
             return _zero(exercise, f"not graded: while it was checked, the notebook reached the sandbox's "
                                    f"{limit_words(hit)} and was stopped.", weights)
+        if session._left() <= 0:
+            return _zero(exercise, "not graded: the notebook ran out of its time while this exercise was checked "
+                                   "(a function that never returns?).", weights)
         return _zero(exercise, f"not graded: the notebook's process stopped answering while it was checked ({exc}).",
                      weights)
 
