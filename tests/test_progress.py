@@ -112,7 +112,8 @@ def test_a_slow_launch_shows_each_rank_live_and_leaves_nothing(kernel):
 
 def test_a_quick_launch_sends_nothing_extra(kernel):
     messages = _run(kernel, QUICK_LAUNCH)
-    assert [m["msg_type"] for m in messages] == ["stream"] and _streams(messages) == "[0, 1]\n"
+    # Only the printed text, in one stream message or two (a busy kernel may flush "[0, 1]" before its newline).
+    assert {m["msg_type"] for m in messages} == {"stream"} and _streams(messages) == "[0, 1]\n"
 
 
 def test_a_sweep_in_the_notebook_shows_a_bar_then_goes(kernel):
