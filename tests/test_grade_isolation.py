@@ -379,26 +379,75 @@ EXPECTED = {     # student: (score, max_score): what the honest part earns
 
 
 _CLEAN = '''
-import os, subprocess, sys
+import os, subprocess, sys, tempfile
 from course_lib.grade import sandbox
-for folder in sys.argv[1].split("\\n"):
-    if folder:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "none", folder], check=True)
-for path in sandbox.readable_solutions():
-    if path not in sys.argv[2].split("\\n"):
-        subprocess.run(["mount", "--bind", "/dev/null", path], check=True)
-os.execvp(sys.argv[3], sys.argv[3:])
+root, how, leave, command = sys.argv[1], sys.argv[2], sys.argv[3].split("\\n"), sys.argv[4:]
+
+
+def mount(*args, check=True):
+    subprocess.run(["mount", *args], check=check, stderr=None if check else subprocess.DEVNULL)
+
+
+made = []
+try:
+    if how == "close":
+        # chmod 700 on the checkout, as the grader's refusal advises, without touching the real one (other people
+        # use it meanwhile): an empty folder of root's alone over its parent, and the checkout bound back inside.
+        stage = tempfile.mkdtemp(prefix="course_lib-clean-")
+        made.append(stage)
+        mount("--rbind", root, stage)
+        mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "none", os.path.dirname(root))
+        os.mkdir(root)
+        mount("--rbind", stage, root)
+        if sys.prefix.startswith(root + "/"):
+            # A virtual environment inside the checkout: the grader runs it from a folder every user may reach (as
+            # a venv in /opt), since a bind mount (a mount of its own) cannot give a closed one's mirror hard links.
+            place = tempfile.mkdtemp(prefix="course_lib-clean-venv-")
+            os.chmod(place, 0o755)
+            venv = os.path.join(place, "venv")
+            os.mkdir(venv)
+            made.insert(0, place)
+            mount("--rbind", os.path.join(stage, os.path.relpath(sys.prefix, root)), venv)
+            python = os.path.join(venv, os.path.relpath(sys.executable, sys.prefix))
+            command = [python if word == sys.executable else word for word in command]
+        if os.environ.get("COURSE_LIB_PYTHON") == sys.executable:      # Gradescope's run_autograder reads it
+            os.environ["COURSE_LIB_PYTHON"] = python
+        subprocess.run(["umount", "-l", stage], check=True)
+    else:
+        for name in ("notebooks", "tests"):          # what the grader's refusal used to advise: not enough
+            if os.path.isdir(os.path.join(root, name)):
+                mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "none", os.path.join(root, name))
+    covered = []
+    for repository in sandbox.course_repositories():  # other people's clones on a shared machine
+        if repository != root and not repository.startswith(root + "/"):
+            mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "none", repository)
+            covered.append(repository.rstrip("/") + "/")
+    for path in sandbox.readable_solutions():
+        if path not in leave and not path.startswith(tuple(covered)):
+            mount("--bind", "/dev/null", path, check=False)    # (one removed meanwhile needs no cover)
+    code = subprocess.run(command).returncode
+finally:
+    for folder in made:          # empty folders of the host's /tmp: the mounts on them are this namespace's
+        for inner in (os.path.join(folder, "venv"), folder):
+            subprocess.run(["umount", "-l", inner], stderr=subprocess.DEVNULL)
+            try:
+                os.rmdir(inner)
+            except OSError:
+                pass
+sys.exit(code)
 '''
 
 
-def clean_machine(command: list, leave=()) -> list:
-    """`command` run as on the machine the README describes for grading without namespaces: in a private mount
-    namespace of its own in which this checkout's notebooks/ and tests/ are covered by empty folders of root's and
-    every other solved notebook any user could read (other people's copies on a shared machine) reads empty. The
-    grader itself refuses to start where that is not so (`test_without_namespaces_a_readable_solution_...`)."""
-    folders = "\n".join(str(ROOT / name) for name in sandbox.SECRET_FOLDERS if (ROOT / name).is_dir())
-    return ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _CLEAN, folders,
-            "\n".join(map(str, leave)), *command]
+def clean_machine(command: list, leave=(), close: bool = True) -> list:
+    """`command` run as on the machine the README describes for grading without namespaces, in a private mount
+    namespace of its own: this checkout closed to other users as `chmod 700` on it would (its parent covered by an
+    empty folder of root's, the checkout bound back inside; its virtual environment, if inside, reachable elsewhere
+    as a venv in /opt would be), other clones of the course any user could reach covered, and every other solved
+    notebook any user could read (other people's copies on a shared machine) read empty. `close=False`: only
+    notebooks/ and tests/ closed, as the grader's refusal once advised. The grader itself refuses to start where
+    that is not so (`test_without_namespaces_a_readable_solution_...`, tests/test_grade_users_mode.py)."""
+    return ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _CLEAN, str(ROOT),
+            "close" if close else "folders", "\n".join(map(str, leave)), *command]
 
 
 def _sandbox_uids() -> set:

@@ -63,6 +63,7 @@ SKELETON_BYTES = 8 << 20
 POLL = 0.1                      # seconds between two looks at the limits' counters
 LOG_BYTES = 64 << 10            # the end of the kernel's own output kept for the judge's log
 SLOW_POLL = 0.5                 # seconds between two sums of the processes' memory (where no cgroup counts it)
+INODES_SPARE = 16               # inodes of the sandbox's tmpfs beyond its file limit: its own folders, the copy
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -562,7 +563,9 @@ class Watch:
         self.memory, self.disk, self.processes = config["memory"], config["disk"], config["processes"]
         self.start = cgroups.counts() if cgroups else {}
         self.next_slow = 0.0
+        self.files = config.get("files") or (1 << 62)
         self.users_files = config.get("shared_dirs") if config["isolation"] == "users" else None
+        self.skip = set(config.get("skip_dirs") or ())
 
     def how(self):
         """How each limit is held, for the judge's records."""
@@ -570,6 +573,7 @@ class Watch:
         return {"memory": "cgroup" if "memory" in held else "rlimit and polling",
                 "processes": "cgroup" if "processes" in held else "rlimit and polling",
                 "disk": "tmpfs" if self.disk_path else "file size rlimit and polling",
+                "files": "tmpfs inodes" if self.disk_path else "polling",
                 "cpu": "cgroup" if "cpu" in held else "shared"}
 
     def hit(self, now=False):
@@ -584,6 +588,8 @@ class Watch:
                 free = os.statvfs(self.disk_path)
                 if free.f_bavail * free.f_frsize < min(1 << 20, self.disk // 100 + 4096):
                     return f"disk {_human(self.disk)}"
+                if free.f_files and free.f_ffree <= INODES_SPARE // 2:      # its tmpfs has `files` inodes
+                    return f"files {self.files}"
             except OSError:
                 pass
         held = self.cgroups.held if self.cgroups else {}
@@ -601,32 +607,103 @@ class Watch:
                 return f"memory {_human(self.memory)}"
         if "processes" not in held and sum(_threads(pid) for pid in below) >= self.processes - 8:
             return f"processes {self.processes}"
-        if self.users_files is not None and self._written() > self.disk:
-            return f"disk {_human(self.disk)}"
+        if self.users_files is not None:
+            started = time.monotonic()
+            used, files = users_usage(self.config["uid"], self.config["cwd"], self.users_files, self.skip, below,
+                                      self.disk, self.files)
+            # The walk grows with what the user made (half a second for 50,000 files): the next one waits twice as
+            # long as this one took, so that the warden takes at most a third of a core from the sandbox.
+            self.next_slow = max(self.next_slow, time.monotonic() + 2 * (time.monotonic() - started))
+            if used > self.disk:
+                return f"disk {_human(self.disk)}"
+            if files > self.files:
+                return f"files {self.files}"
         return None
 
-    def _written(self):
-        """Bytes the sandbox user holds in its own folder and at the top of the folders every user may write."""
-        uid, total = self.config["uid"], 0
-        for root, folders, files in os.walk(self.config["cwd"]):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
-                except OSError:
-                    pass
-        for folder in self.users_files:
+
+def users_usage(uid, home, folders, skip=(), pids=(), disk=1 << 62, files=1 << 62):
+    """(bytes, files and folders) user `uid` holds, counted as without namespaces: all below its own folder
+    `home`; every entry it owns at the top of `folders` (every folder any user may write, nested ones included)
+    and all below such an entry, whoever owns it; a world-writable folder found there that `folders` did not
+    list is looked into too; and the deleted files `pids` still hold open. An empty file counts one file and no
+    byte; an inode counts once however many names it has. Stops counting once over `disk` or `files`."""
+    seen, used, count = set(), 0, 0
+    listed = set(folders)
+
+    def add(info):
+        nonlocal used, count
+        key = (info.st_dev, info.st_ino)
+        if key in seen:
+            return
+        seen.add(key)
+        used += info.st_blocks * 512
+        count += 1
+
+    def over():
+        return used > disk or count > files
+
+    def everything_below(path):
+        todo = [path]
+        while todo and not over():
+            folder = todo.pop()
             try:
-                entries = list(os.scandir(folder))
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        try:
+                            info = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        add(info)
+                        if stat.S_ISDIR(info.st_mode) and entry.path not in skip:
+                            todo.append(entry.path)
+                        if over():
+                            return
             except OSError:
                 continue
-            for entry in entries:
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if info.st_uid == uid:
-                    total += _size(entry.path, info)
-        return total
+
+    try:
+        add(os.lstat(home))
+    except OSError:
+        pass
+    everything_below(home)
+    todo = [f for f in folders if f not in skip]
+    while todo and not over():
+        folder = todo.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.path in skip:
+                        continue
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if info.st_uid == uid:
+                        add(info)
+                        if stat.S_ISDIR(info.st_mode):
+                            everything_below(entry.path)
+                        if over():
+                            break
+                    elif stat.S_ISDIR(info.st_mode) and info.st_mode & 0o002 and entry.path not in listed:
+                        listed.add(entry.path)          # made world-writable after the grader looked
+                        todo.append(entry.path)
+        except OSError:
+            continue
+    for pid in pids:
+        if over():
+            break
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in descriptors:
+            try:
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 0 and info.st_uid == uid:
+                add(info)
+    return used, count
 
 
 def _rlimits(config):
@@ -791,7 +868,8 @@ def _build_root(config):
         _makedirs(folder)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, f"size={SKELETON_BYTES},mode=0755")
-    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk']},mode=0755")
+    inodes = (config.get("files") or 1 << 40) + INODES_SPARE      # the folders below and the notebook's copy
+    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk']},nr_inodes={inodes},mode=0755")
     # The writable places: one tmpfs, so one limit holds for all of them together.
     for name, mode in (("tmp", 0o1777), ("var_tmp", 0o1777), ("shm", 0o1777), ("home", 0o700)):
         os.mkdir(os.path.join(scratch, name))

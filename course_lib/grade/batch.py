@@ -166,27 +166,51 @@ def collect_nbgrader(course, assignment: str) -> list[Submission]:
 
 
 def refuse_exposure(user, submissions, extra=()) -> None:
-    """Isolation 'users': the sandbox user must not be able to open the instructor's checkout (its notebooks/ and
-    tests/, and any solved notebook of the course anywhere on the machine) or any submission.
+    """Isolation 'users': the sandbox user must not be able to reach the instructor's checkout at all (not enter
+    its folder: its .git holds every solved notebook, and git reads them for anyone who can name them), any other
+    git repository of the course or solved notebook of the course anywhere on the machine, or any submission.
+    Tried for real, as that user (`sandbox.exposed_to`).
 
     Raises:
         IsolationError: it could, with the paths and what to do.
     """
+    from course_lib.grade.sandbox import course_repositories, private_parts
+
     paths = [p for s in submissions for p in s.notebooks if not p.is_symlink()]
     paths += [s.root for s in submissions if s.root is not None]
     paths += list(extra)
-    for checkout in checkouts():
-        paths += [checkout / name for name in SECRET_FOLDERS if (checkout / name).exists()]
+    closed, repositories = [], []
+    for repository in [*checkouts(), *(pathlib.Path(r) for r in course_repositories())]:
+        if repository in repositories:
+            continue
+        repositories.append(repository)
+        enter, files = private_parts(repository)
+        closed += enter
+        paths += files
     paths += readable_solutions()             # a solved notebook of the course anywhere on the machine
-    exposed = exposed_to(user, paths)
-    if exposed:
-        shown = ", ".join(safe_name(p) for p in exposed[:3]) + (f" and {len(exposed) - 3} more" if len(exposed) > 3
-                                                                else "")
-        raise IsolationError(
-            f"without namespaces the submissions run as the user {user.name}, which could read {shown}. Make "
-            "them private first (chmod 700 on the course's checkout, or on its notebooks/ and tests/, and on the "
-            "submissions' folder), or grade where namespaces are available (as root on Linux, or in a container "
-            "with CAP_SYS_ADMIN)")
+    entered = exposed_to(user, closed, enter=True)
+    exposed = entered + [p for p in exposed_to(user, paths) if p not in entered]
+    if not exposed:
+        return
+    shown = ", ".join(safe_name(p) for p in exposed[:3]) + (f" and {len(exposed) - 3} more" if len(exposed) > 3
+                                                            else "")
+    open_repositories = [r for r in repositories if any(pathlib.Path(p) == r or pathlib.Path(p).is_relative_to(r)
+                                                        for p in exposed)]
+    advice = []
+    if open_repositories:
+        advice.append(
+            f"make the whole checkout private: chmod 700 {' '.join(safe_name(r) for r in open_repositories)} "
+            "(closing notebooks/ and tests/ is not enough: the editable install's finder in site-packages names the "
+            "checkout, and `git show HEAD:notebooks/...` reads every solved notebook from its .git; the grader "
+            "reads course_lib through a copy of its own, so nothing needs the checkout open)")
+    if any(not any(pathlib.Path(p) == r or pathlib.Path(p).is_relative_to(r) for r in repositories) for p in exposed):
+        advice.append("make the submissions' folder and any solved notebook private too (chmod 700 on the folders "
+                      "that hold them)")
+    advice_text = "; ".join(advice)
+    raise IsolationError(
+        f"without namespaces the submissions run as the user {user.name}, which could read {shown}. "
+        + advice_text[:1].upper() + advice_text[1:]
+        + ". Or grade where namespaces are available (as root on Linux, or in a container with CAP_SYS_ADMIN)")
 
 
 def preload() -> None:

@@ -17,7 +17,7 @@ several notebooks is graded once; exercises of other assignments score nothing (
 With --nbgrader, --assignment names nbgrader's folder (and the course's assignment when it is one's name).
 
 The sandbox: --isolation auto|namespaces|users|none (auto: the strongest this machine gives; see
-course_lib.grade.sandbox), and each notebook's limits --memory SIZE (4G), --disk SIZE (1G), --processes N (1024).
+course_lib.grade.sandbox), and each notebook's limits --memory SIZE (4G), --disk SIZE (1G), --processes N (1024), --files N (50000).
 A notebook that reaches one is stopped with a note saying which, and graded on what it did without that cell.
 As root the sandboxes run as course_lib_grader, course_lib_grader1, ... (made when missing); the environment
 variable COURSE_LIB_GRADE_USER names them otherwise.
@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--disk", default="1G", help="what one notebook's sandbox may write (1G)")
     parser.add_argument("--processes", type=int, default=1024,
                         help="processes and threads in one notebook's sandbox (1024)")
+    parser.add_argument("--files", type=int, default=50_000,
+                        help="files and folders one notebook's sandbox may make, empty ones included (50000)")
     return parser
 
 
@@ -205,11 +207,14 @@ def _options(args, parser) -> dict:
     from course_lib.grade.sandbox import IsolationError, Limits, choose_isolation, parse_size
 
     try:
-        limits = Limits(memory=parse_size(args.memory), disk=parse_size(args.disk), processes=args.processes)
+        limits = Limits(memory=parse_size(args.memory), disk=parse_size(args.disk), processes=args.processes,
+                        files=args.files)
     except ValueError as exc:
         parser.error(str(exc))
     if limits.processes < 16:
         parser.error("--processes must be 16 or more (a launch of 8 ranks needs dozens of threads)")
+    if limits.files < 1000:
+        parser.error("--files must be 1000 or more (Python, torch and a launch of 8 ranks make hundreds)")
     if limits.memory < 256 << 20:
         parser.error("--memory must be 256M or more (a sandbox's Python with torch needs about 300 MB)")
     assignment = None

@@ -27,10 +27,17 @@ environment variable COURSE_LIB_GRADE_ISOLATION ask for one):
 * **users** (root without namespaces: a container without CAP_SYS_ADMIN, as on Gradescope): each student
   graded gets an unprivileged user of its own (`sandbox_users`), students are graded one at a time (so no
   other submission's process or port exists while one runs), course_lib is read through a root-owned mirror,
-  the grader refuses to start when that user could read the instructor's checkout or any submission
-  (`exposed_to`), and when a student is done everything the user owns is swept: processes, System V objects,
-  files in every folder it could write (`sweep_user`). Limits: rlimits, and the warden's polling of the
-  memory, processes and disk the sandbox uses.
+  the grader refuses to start when that user could enter the instructor's checkout (its .git gives every solved
+  notebook to git, whatever notebooks/ allows: `private_parts`) or any other clone of the course, or read any
+  submission or solved notebook (`exposed_to`, tried as that user), and when a student is done everything the
+  user owns is swept: processes, System V objects, files in every folder it could write (`sweep_user`). Limits:
+  rlimits, and the warden's polling of the memory, processes, bytes and files (inodes) the sandbox uses, the
+  last two over everything the user owns (`Limits`).
+
+  Why not bubblewrap (or any other namespace tool) here: it needs the same kernel feature this mode is for
+  machines without (user namespaces, or CAP_SYS_ADMIN); where it would run, `choose_isolation` picks
+  "namespaces" already, which does what bubblewrap would. Nor a file system of the user's own for its writes:
+  mounting one (or setting quotas) needs that privilege too, so the limits are counted instead.
 * **none** (no root, no user namespaces): the kernel runs as the grader's own user. The score still cannot be
   forged (the judge computes it from data), but the submission can read and write whatever you can. Only on
   request (`--isolation none`).
@@ -57,7 +64,7 @@ __all__ = ["Sandbox", "SandboxUser", "Limits", "SandboxError", "SandboxStartErro
            "IsolationError", "sandbox_users", "release_users", "sweep_user", "running_as_root", "choose_isolation",
            "namespaces_available", "exposed_to", "shared_dirs", "parse_size", "describe_isolation", "WARDEN",
            "ISOLATIONS", "DEFAULT_USER", "default_user", "checkouts", "SECRET_FOLDERS", "left_behind",
-           "readable_solutions"]
+           "readable_solutions", "writable_dirs", "course_repositories", "private_parts", "git_dirs"]
 
 WARDEN = str(pathlib.Path(__file__).with_name("_warden.py"))
 DEFAULT_USER = "course_lib_grader"
@@ -100,20 +107,26 @@ class Limits:
         too). Default 4 GiB: grading the solutions of 00-11, notebook 11 (8 ranks) peaked at 1.4 GiB.
     disk: bytes it may write (its /tmp, /var/tmp, /dev/shm and home together). Default 1 GiB.
     processes: processes and threads, all together. Default 1024: grading the solutions peaked at 50.
+    files: files and folders it may make (inodes: an empty file costs no byte, but one each). Default 50,000.
 
     With namespaces as root, a cgroup holds memory (swap included) and processes exactly, and the disk is a
-    tmpfs of that size. Elsewhere each process has an address-space limit of `memory` + 1 GiB (what torch maps
-    without using it), files are at most `disk` bytes, the user's processes at most 4 x `processes`, and the
-    warden adds up the sandbox's memory (proportional set size), processes and files twice a second and after
-    every cell, and stops it when one is over.
+    tmpfs of that size and that many inodes. Elsewhere each process has an address-space limit of `memory` +
+    1 GiB (what torch maps without using it), files are at most `disk` bytes, the user's processes at most 4 x
+    `processes`, and the warden adds up the sandbox's memory (proportional set size), processes, bytes and files
+    twice a second and after every cell, and stops it when one is over. Without namespaces ("users") the bytes and
+    files counted are everything the sandbox user owns: its own folder, all below every folder any user may
+    write (nested ones, such as a root-owned 1777 folder inside /tmp, included) and the deleted files its
+    processes still hold open.
     """
 
     memory: int = 4 << 30
     disk: int = 1 << 30
     processes: int = 1024
+    files: int = 50_000
 
     def describe(self) -> str:
-        return f"memory {human(self.memory)}, disk {human(self.disk)}, {self.processes} processes and threads"
+        return (f"memory {human(self.memory)}, disk {human(self.disk)}, {self.files:,} files, {self.processes} "
+                "processes and threads")
 
 
 def human(count: int) -> str:
@@ -299,9 +312,17 @@ _NOT_FILES = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs", "deb
 
 def shared_dirs() -> list[str]:
     """Every folder any user may write into (world-writable and reachable: /tmp, /var/tmp, /dev/shm,
-    /dev/mqueue, /run/lock, ...), found once per grader by walking every mounted file system. What a sandbox user
-    writes outside its own folder can only be below one of these."""
+    /dev/mqueue, /run/lock, ...), found once per grader by walking every mounted file system; one below another
+    is left out (a sweep walks all below each). What a sandbox user writes outside its own folder can only be
+    below one of these."""
     return _scan()["dirs"]
+
+
+def writable_dirs() -> list[str]:
+    """`shared_dirs` with the world-writable folders below them too (a root-owned 1777 folder inside /tmp, as
+    /tmp/.X11-unix is): every folder the sandbox user may make an entry in besides its own. The warden counts what
+    the user owns at the top of each of these, and all below it, as the sandbox's disk and files."""
+    return _scan()["all_dirs"]
 
 
 def readable_solutions() -> list[str]:
@@ -310,12 +331,44 @@ def readable_solutions() -> list[str]:
     return _scan()["solutions"]
 
 
+def course_repositories() -> list[str]:
+    """Git repositories of the course that any user may reach (the same walk as `shared_dirs`): a checkout (a
+    folder with a .git and course_lib) whose folder every user may enter, or a bare clone holding course_lib.
+    Its objects hold every solved notebook, whatever notebooks/ allows: git reads them for anyone who can reach
+    them (`git -c safe.directory=* show HEAD:notebooks/...`)."""
+    scan = _scan()
+    if "repositories" not in scan:
+        found = [g for g in scan["git"] if _is_course_checkout(g)]
+        found += [b for b in scan["bare"][:50] if _bare_course_repository(b)]
+        scan["repositories"] = sorted(set(found))
+    return scan["repositories"]
+
+
 _SOLUTION_MARK = b"### BEGIN SOLUTION"
+
+
+def _is_course_checkout(folder: str) -> bool:
+    return os.path.isdir(os.path.join(folder, "course_lib")) and \
+        os.path.isfile(os.path.join(folder, "course_lib", "__init__.py"))
+
+
+def _bare_course_repository(folder: str) -> bool:
+    """A bare git repository (HEAD, objects/, refs/) whose HEAD holds course_lib (asked of git, as root)."""
+    git = shutil.which("git")
+    if git is None:
+        return True           # cannot tell: count it, the instructor can close it
+    try:
+        done = subprocess.run([git, "-c", "safe.directory=*", "--git-dir", folder, "cat-file", "-e", "HEAD:course_lib"],
+                              capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return done.returncode == 0
 
 
 def _scan() -> dict:
     """One walk of every mounted file system, through the folders any user may enter (o+x): the folders any user
-    may write, and the notebooks any user may read that hold solutions. Made once per grader."""
+    may write, the notebooks any user may read that hold solutions, and the course's git repositories any user
+    may reach. Made once per grader."""
     if "scan" in _SHARED:
         return _SHARED["scan"]
     points = []
@@ -328,7 +381,7 @@ def _scan() -> dict:
     except OSError:
         points = ["/", "/tmp", "/var/tmp", "/dev/shm"]
     skip = {str(p) for p in mirror_folders()}
-    writable, notebooks, seen = set(), [], set()
+    writable, notebooks, seen, gits, bare = set(), [], set(), [], []
     for point in sorted(set(points)):
         try:
             device = os.lstat(point).st_dev
@@ -348,15 +401,21 @@ def _scan() -> dict:
                 continue
             if info.st_mode & 0o002:
                 writable.add(folder)
+            names = set()
             try:
                 with os.scandir(folder) as entries:
                     for entry in entries:
+                        names.add(entry.name)
                         if entry.is_dir(follow_symlinks=False):
                             todo.append(entry.path)
                         elif entry.name.endswith(".ipynb") and entry.is_file(follow_symlinks=False):
                             notebooks.append(entry)
             except OSError:
                 continue
+            if ".git" in names:
+                gits.append(folder)
+            elif {"HEAD", "objects", "refs"} <= names:
+                bare.append(folder)
     solutions = []
     for entry in notebooks[:5000]:
         try:
@@ -367,9 +426,11 @@ def _scan() -> dict:
                         solutions.append(entry.path)
         except OSError:
             continue
+    bare = [b for b in bare if not any(b.startswith(g.rstrip("/") + "/") for g in gits)]
     # A world-writable folder below another is swept with it.
     dirs = sorted(d for d in writable if not any(d != w and d.startswith(w.rstrip("/") + "/") for w in writable))
-    _SHARED["scan"] = {"dirs": dirs, "solutions": sorted(solutions)}
+    _SHARED["scan"] = {"dirs": dirs, "all_dirs": sorted(writable), "solutions": sorted(solutions),
+                       "git": sorted(gits), "bare": sorted(bare)}
     return _SHARED["scan"]
 
 
@@ -410,8 +471,12 @@ def left_behind(uid: int) -> dict:
     return {"processes": warden._uid_processes(uid), "ipc": warden.ipc_objects(uid), "files": files}
 
 
-def exposed_to(user: SandboxUser, paths) -> list[str]:
-    """Which of `paths` (files or folders) `user` could open: tried for real by a child that becomes that user."""
+def exposed_to(user: SandboxUser, paths, enter: bool = False) -> list[str]:
+    """Which of `paths` (files or folders) `user` could open: tried for real by a child that becomes that user.
+
+    enter: a folder also counts when `user` can only enter it (look up a name it knows in it, without listing
+    it: a checkout of mode 711 still gives `.git/HEAD` and the objects to whoever names them).
+    """
     paths = [str(p) for p in paths]
     if not paths:
         return []
@@ -429,8 +494,15 @@ def exposed_to(user: SandboxUser, paths) -> list[str]:
                     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
                     os.close(fd)
                     out.append(str(index))
+                    continue
                 except OSError:
                     pass
+                if enter:
+                    try:
+                        os.stat(os.path.join(path, "."))      # "." is looked up in it: needs search permission
+                        out.append(str(index))
+                    except OSError:
+                        pass
             os.write(write, " ".join(out).encode())
         finally:
             os._exit(0)
@@ -515,9 +587,67 @@ def checkouts() -> list[pathlib.Path]:
     return found
 
 
-# What a checkout holds that no submission may read: the solved notebooks and the tests (planted bugs and their
-# fixes, the rubric's cases).
-SECRET_FOLDERS = ("notebooks", "tests")
+# What a checkout holds that no submission may read: the solved notebooks, the tests (planted bugs and their
+# fixes, the rubric's cases), and git's copy of every one of them (.git). Without namespaces the rule is stronger:
+# the sandbox user must not enter the checkout at all (`private_parts`).
+SECRET_FOLDERS = ("notebooks", "tests", ".git")
+
+
+def git_dirs(checkout) -> list[pathlib.Path]:
+    """The git folders a checkout's history lies in: its .git (or, for a worktree or a submodule, the folder its
+    .git file names, and that folder's common one)."""
+    dot = pathlib.Path(checkout) / ".git"
+    found = []
+    if dot.is_dir() and not dot.is_symlink():
+        found.append(dot)
+    elif dot.is_file() or dot.is_symlink():
+        try:
+            text = dot.read_text(errors="replace")[:4096] if dot.is_file() else ""
+            target = dot.resolve() if dot.is_symlink() else None
+        except OSError:
+            text, target = "", None
+        if text.startswith("gitdir:"):
+            target = pathlib.Path(text[len("gitdir:"):].strip().splitlines()[0])
+            target = target if target.is_absolute() else (dot.parent / target)
+        if target is not None and target.is_dir():
+            found.append(target)
+    for folder in list(found):
+        try:
+            common = (folder / "commondir").read_text().strip()
+        except OSError:
+            continue
+        common_dir = pathlib.Path(common) if pathlib.Path(common).is_absolute() else folder / common
+        if common_dir.is_dir() and common_dir not in found:
+            found.append(common_dir)
+    return found
+
+
+def private_parts(checkout) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """What must stay closed to the sandbox user in a checkout of the course (or a bare clone): (folders it must
+    not even enter, files it must not open).
+
+    The folder itself comes first: once the sandbox user can enter it, the solved notebooks are a name away
+    (the editable install's finder in site-packages names the checkout, and `git show HEAD:notebooks/...` reads
+    them from .git's objects, whatever notebooks/ and tests/ allow). Then its git folders, notebooks/ and tests/,
+    and the files git reads (HEAD, config, index, packed-refs, the packs), so that a folder opened by an ACL or a
+    bind mount is caught too.
+    """
+    checkout = pathlib.Path(checkout)
+    enter = [checkout]
+    gits = git_dirs(checkout) if (checkout / ".git").exists() or (checkout / ".git").is_symlink() else []
+    if not gits and (checkout / "HEAD").is_file() and (checkout / "objects").is_dir():
+        gits = [checkout]                          # a bare clone
+    enter += [g for g in gits if g != checkout]
+    enter += [checkout / name for name in ("notebooks", "tests") if (checkout / name).is_dir()]
+    files = []
+    for git in gits:
+        files += [git / name for name in ("HEAD", "config", "index", "packed-refs") if (git / name).is_file()]
+        enter += [git / "objects"] if (git / "objects").is_dir() else []
+        try:
+            files += sorted((git / "objects" / "pack").glob("*.pack"))[:50]
+        except OSError:
+            pass
+    return enter, files
 
 
 def namespace_binds() -> list[str]:
@@ -570,7 +700,10 @@ def sandbox_python(user: SandboxUser | None) -> tuple[str, dict]:
         return chosen or sys.executable, {}
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     candidates = [chosen] if chosen else [str(here), f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
-    python = next((c for c in candidates if c and _open_to_others(pathlib.Path(c).resolve(), 0o001)), None)
+    # Run by the name it is given: the folders above that name (a venv's bin/ inside a checkout closed to other
+    # users) must be open too, not only those above the interpreter it points to.
+    python = next((c for c in candidates if c and _open_to_others(pathlib.Path(c).resolve(), 0o001)
+                   and _open_to_others(pathlib.Path(os.path.abspath(c)), 0o001)), None)
     if python is None:
         raise SandboxStartError(
             f"the sandbox user {user.name} cannot run {here} (a folder above it is closed to other users, e.g. /root), "
@@ -736,6 +869,7 @@ class Sandbox:
                                                       "--out", str(from_write)],
                   "keep_fds": [to_read, from_write], "env": env, "cwd": home, "log": str(log_path),
                   "memory": limits.memory, "disk": limits.disk, "processes": limits.processes,
+                  "files": limits.files,
                   "uid": user.uid if user else None, "gid": user.gid if user else None,
                   "user_name": user.name if user else None, "cgroups": running_as_root() and namespaces}
         if namespaces:
@@ -749,7 +883,7 @@ class Sandbox:
                 config.update(uid=os.getuid(), gid=os.getgid(),
                               nproc=_user_processes() + _NPROC_FACTOR * limits.processes)
         elif isolation == "users":
-            config.update(shared_dirs=shared_dirs(), skip_dirs=[str(p) for p in mirror_folders()],
+            config.update(shared_dirs=writable_dirs(), skip_dirs=[str(p) for p in mirror_folders()],
                           nproc=_NPROC_FACTOR * limits.processes)
         if config["cgroups"]:      # what a grader killed before it finished left: no cgroup outlives its warden
             _warden_module().remove_orphaned_cgroups()
@@ -952,10 +1086,13 @@ class Sandbox:
 
 
 def limit_words(hit: str) -> str:
-    """'memory 4 GiB' -> 'memory limit (4 GiB)'; 'processes 1024' -> 'limit of 1024 processes and threads'."""
+    """'memory 4 GiB' -> 'memory limit (4 GiB)'; 'processes 1024' -> 'limit of 1024 processes and threads';
+    'files 50000' -> 'limit of 50,000 files'."""
     kind, _, value = hit.partition(" ")
     if kind == "processes":
         return f"limit of {value} processes and threads"
+    if kind == "files":
+        return f"limit of {int(value):,} files" if value.isdigit() else "limit on files"
     return f"{kind} limit ({value})" if value else f"{kind} limit"
 
 
