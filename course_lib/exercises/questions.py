@@ -342,7 +342,8 @@ def _quiz_explain(letter):
     truth = quiz_truth()
     wrong = [what for what, factor in QUIZ_OPTIONS[letter].items() if factor != truth[what]]
     if not wrong:
-        return "right: each batch takes about as long, but there are 4 times fewer of them per epoch."
+        return ("right, for the same number of epochs: each batch takes about as long, but there are 4 times fewer "
+                "of them per epoch (a 4 times larger global batch may need more epochs, or a larger learning rate).")
     return "not quite: check " + " and ".join(wrong) + "."
 
 
@@ -391,7 +392,8 @@ def _master_total(G):
 
 _QUESTIONS = [
     Question(name="batch_size_quiz", notebook="01_why_data_parallelism", points=1, signature='"A", "B" or "C"',
-             summary="the 4-GPU quiz: 128 samples, 16 per GPU per batch; which statement is true?",
+             summary="the 4-GPU quiz: 128 samples, 16 per GPU per batch, the same number of epochs; which statement "
+                     "is true?",
              answer_kind="choice", truth=_quiz_answer, explain=_quiz_explain, rubric=_quiz_lines(), met_by=_quiz_met),
     Question(name="batches_per_epoch", notebook="01_why_data_parallelism", points=1, signature="a number",
              summary="128 samples, 16 per GPU per batch, 8 GPUs: how many batches per epoch?",
