@@ -204,9 +204,30 @@ def test_the_reader_refuses_what_it_cannot_finish_and_names_the_cell():
     assert "cell 1 " not in str(refused.value)                  # one of the slow cells, not the first
 
 
-def _work_folders() -> set:
-    return {p for p in pathlib.Path(tempfile.gettempdir()).glob("course_lib-grad*-*")
-            if (p / "judge.pid").exists()}
+def _work_folders(owners=None) -> set:
+    """The judges' work folders in /tmp; with `owners`, only those of these judge processes (other tests may be
+    grading beside this one)."""
+    found = set()
+    for folder in pathlib.Path(tempfile.gettempdir()).glob("course_lib-grad*-*"):
+        try:
+            owner = int((folder / "judge.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if owners is None or owner in owners:
+            found.add(folder)
+    return found
+
+
+def _group(leader: int) -> set:
+    """The processes of the process group `leader` leads (the judge, and its wrapper where there is one)."""
+    members = set()
+    for entry in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(entry.name)) == leader:
+                members.add(int(entry.name))
+        except OSError:
+            continue
+    return members
 
 
 def _user_processes(prefix: str) -> list:
@@ -235,7 +256,6 @@ def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation)
         _namespaces_or_fail()
     for student in ("slow_a", "slow_b"):
         _write(tmp_path / "class" / student / NB06, [ANSWERS_06, "import time\ntime.sleep(600)\nring_steps = ring_steps"])
-    before = _work_folders()
 
     def start(klass="class"):
         command = [sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / klass), "--out",
@@ -250,24 +270,27 @@ def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation)
         while not _user_processes(USER + "_stop") and time.monotonic() < deadline and judge.poll() is None:
             time.sleep(0.5)
         if not _user_processes(USER + "_stop"):
-            os.killpg(judge.pid, signal.SIGKILL)
+            if judge.poll() is None:
+                os.killpg(judge.pid, signal.SIGKILL)
             raise AssertionError(f"no sandbox started: {judge.communicate()[1][-2000:]}")
         time.sleep(3)                                    # the cell is sleeping now
+        return _group(judge.pid)
 
     judge = start()
-    wait_for_a_sandbox(judge)
+    group = wait_for_a_sandbox(judge)
+    assert _work_folders(group), "the judge made its work folder"
     stopped = time.monotonic()
     os.killpg(judge.pid, signal.SIGTERM)                  # as a terminal's close or a job's cancel: all of its group
     judge.communicate(timeout=60)
     assert time.monotonic() - stopped < 30
-    assert _work_folders() - before == set()
+    assert _work_folders(group) == set()
     assert _user_processes(USER + "_stop") == []
 
     judge = start()
-    wait_for_a_sandbox(judge)
+    group = wait_for_a_sandbox(judge)
     os.killpg(judge.pid, signal.SIGKILL)                  # nothing runs on the way out
     judge.communicate(timeout=60)
-    left = _work_folders() - before
+    left = _work_folders(group)
     assert left, "a killed judge leaves its folders (the next run removes them)"
     _write(tmp_path / "next" / "quick" / NB06, [ANSWERS_06])
     judge = start("next")                                 # the next run, with the same sandbox users

@@ -410,10 +410,21 @@ try:
             mount("--rbind", os.path.join(stage, os.path.relpath(sys.prefix, root)), venv)
             python = os.path.join(venv, os.path.relpath(sys.executable, sys.prefix))
             command = [python if word == sys.executable else word for word in command]
-        if os.environ.get("COURSE_LIB_PYTHON") == sys.executable:      # Gradescope's run_autograder reads it
-            os.environ["COURSE_LIB_PYTHON"] = python
+            if os.environ.get("COURSE_LIB_PYTHON") == sys.executable:      # Gradescope's run_autograder reads it
+                os.environ["COURSE_LIB_PYTHON"] = python
         subprocess.run(["umount", "-l", stage], check=True)
     else:
+        parent = os.path.dirname(root)
+        if not os.stat(parent).st_mode & 0o001:
+            # A clone in a mktemp folder (root's alone) is closed already: open its folder, as the machine the old
+            # advice assumed had it (a tmpfs every user may enter over the parent, the checkout bound back inside).
+            stage = tempfile.mkdtemp(prefix="course_lib-clean-")
+            made.append(stage)
+            mount("--rbind", root, stage)
+            mount("-t", "tmpfs", "-o", "size=64k,mode=0755", "none", parent)
+            os.mkdir(root)
+            mount("--rbind", stage, root)
+            subprocess.run(["umount", "-l", stage], check=True)
         for name in ("notebooks", "tests"):          # what the grader's refusal used to advise: not enough
             if os.path.isdir(os.path.join(root, name)):
                 mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "none", os.path.join(root, name))
