@@ -188,6 +188,14 @@ def _options(opts, kind: str):
     return opts if opts is not None else getattr(torch._C._distributed_c10d, kind)()
 
 
+
+def not_a_rank(name: str, peer, world_size: int) -> str | None:
+    """Why `peer` (the argument `name`: dst, src) is not a rank of a group of `world_size` ranks, or None when it is."""
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size:
+        return f"{name}={peer!r} is not a rank of this group; the ranks are 0..{world_size - 1} (world_size={world_size})."
+    return None
+
+
 class ProcessGroup(dist.ProcessGroup):
     """torch.distributed's process group, run through the installed layers onto `under` (a gloo group).
 
@@ -232,13 +240,12 @@ class ProcessGroup(dist.ProcessGroup):
 
     def _check_peer(self, peer, name) -> None:
         """A peer outside the group is refused here, plainly, before gloo turns it into a crash (SIGSEGV) or a hang."""
-        size = self.size()
-        if not isinstance(peer, bool) and isinstance(peer, int) and 0 <= peer < size:
+        problem = not_a_rank(name, peer, self.size())
+        if problem is None:
             return
         call = caller() or ("send" if name == "dst" else "recv")
         verb = "tried to send to" if name == "dst" else "tried to receive from"
-        raise ValueError(f"{call}: rank {self.rank()} {verb} rank {peer}, which does not exist: {name}={peer!r} is not "
-                         f"a rank of this group; the ranks are 0..{size - 1} (world_size={size}).")
+        raise ValueError(f"{call}: rank {self.rank()} {verb} rank {peer}, which does not exist: {problem}")
 
     def recv_anysource(self, tensors, tag):
         (tensor,) = tensors

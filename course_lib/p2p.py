@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate, traffic
+from course_lib import _rankstate, backend, traffic
 
 __all__ = ["send", "recv", "isend", "irecv", "Request"]
 
@@ -46,12 +46,10 @@ def _check(call: str, tensor, peer_name: str, peer, group, allow_any_source=Fals
         raise TypeError(f"{call} expects a torch.Tensor as `tensor`, got {type(tensor).__name__}. "
                         "Wrap your data first, e.g. torch.tensor(values).")
     rank, world_size = _world(group)
-    if peer is None and allow_any_source:
-        pass
-    elif isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size:
-        raise ValueError(f"{call}: {peer_name}={peer!r} is not a rank of this group; the ranks are "
-                         f"0..{world_size - 1} (world_size={world_size}).")
-    elif peer == rank:
+    problem = None if peer is None and allow_any_source else backend.not_a_rank(peer_name, peer, world_size)
+    if problem is not None:
+        raise ValueError(f"{call}: {problem}")
+    if peer == rank:
         raise ValueError(f"{call}: rank {rank} cannot exchange a message with itself ({peer_name}={peer}). "
                          "Copy the tensor locally instead.")
     if not tensor.is_contiguous():
