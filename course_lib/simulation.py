@@ -722,10 +722,18 @@ PROGRESS_AFTER = 3.0     # seconds of simulation in a row of direct calls after 
 _progress = {"calls": 0, "seconds": 0.0, "shown": 0.0, "last": 0.0}
 
 
+_OUTSIDE: dict = {}      # a code file's name -> whether it lies outside course_lib (asked on every collective)
+
+
 def _called_from_outside() -> bool:
     """True when the caller of collective_time is not course_lib itself (a learner's loop, not a launch's clock)."""
     frame = sys._getframe(2)
-    return frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename
+    if name not in _OUTSIDE:
+        _OUTSIDE[name] = not os.path.abspath(name).startswith(_PACKAGE)
+    return _OUTSIDE[name]
 
 
 def _show_progress(kind, nbytes, group, started) -> None:

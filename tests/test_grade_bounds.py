@@ -23,15 +23,14 @@ import tempfile
 import threading
 import time
 
-import nbformat
 import pytest
 
 from course_lib.grade import cli, reading
+from test_grade_isolation import ANSWERS_06, _namespaces_or_fail, _write, clean_machine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 USER = "course_lib_bounds"
 NB06 = "06_ring_cost.ipynb"
-ANSWERS_06 = 'traffic_ring = "2*(G-1)*N"\ntraffic_ring_per_rank = "2(G-1)N/G"\nring_steps = "2(G-1)"'
 TWO_ANSWERS = 'traffic_ring_per_rank = "2(G-1)N/G"\nring_steps = "2(G-1)"'
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandboxes run as other users, which needs root")
 
@@ -49,15 +48,6 @@ def send(fd, value):
 channel.send = send
 traffic_ring = traffic_ring
 '''
-
-
-def _write(path: pathlib.Path, cells) -> pathlib.Path:
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(notebook, path)
-    return path
 
 
 def _class(klass: pathlib.Path) -> dict:
@@ -90,8 +80,6 @@ def _peak_memory(pid: int, peaks: list, done: threading.Event) -> None:
 
 @pytest.fixture(scope="module", params=["namespaces", "users"])
 def run(request):
-    from test_grade_isolation import _namespaces_or_fail, clean_machine
-
     isolation = request.param
     if isolation == "namespaces":
         _namespaces_or_fail()
@@ -173,8 +161,6 @@ def test_names_that_map_to_one_file_get_two_files(run):
 
 def test_the_table_a_cell_error_prints_cannot_be_forged(tmp_path):
     """One notebook, graded to the terminal: the forged rows stay inside the escaped note."""
-    from test_grade_isolation import _namespaces_or_fail
-
     _namespaces_or_fail()
     notebook = _write(tmp_path / NB06, [ANSWERS_06, ESCAPES + "\ntraffic_ring = traffic_ring"])
     done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(notebook), "--isolation", "namespaces"],
@@ -250,8 +236,6 @@ def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation)
     """SIGTERM while a sandbox runs a cell: the judge ends within seconds, its sandboxes' processes and its work
     folders (the submissions' copies in them) are gone. SIGKILL cannot be caught: the next run removes what the
     killed judge left."""
-    from test_grade_isolation import _namespaces_or_fail, clean_machine
-
     if isolation == "namespaces":
         _namespaces_or_fail()
     for student in ("slow_a", "slow_b"):
@@ -304,8 +288,6 @@ def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation)
 def test_a_ring_that_never_returns_ends_with_the_notebooks_timeout(tmp_path, isolation):
     """--timeout 20 against a ring that never returns: the notebook's grading ends near its 20 s (it took 55.6 s),
     the exercise scored 0 with the reason."""
-    from test_grade_isolation import _namespaces_or_fail, clean_machine
-
     if isolation == "namespaces":
         _namespaces_or_fail()
     never = ("import torch, torch.distributed as dist\n\ndef ring_scatter_reduce(tensor):\n"

@@ -24,10 +24,9 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from course_lib.exercises import registry
 from course_lib.grade import assign, judge
 from course_lib.grade.notebook import NotebookError, exercises_of_number, safe_name
-from course_lib.grade.sandbox import (SECRET_FOLDERS, IsolationError, Limits, checkouts, choose_isolation,
+from course_lib.grade.sandbox import (IsolationError, Limits, checkouts, choose_isolation,
                                       default_user, exposed_to, readable_solutions, release_users, running_as_root,
                                       sandbox_users, sweep_user)
 
@@ -216,10 +215,8 @@ def refuse_exposure(user, submissions, extra=()) -> None:
 def preload() -> None:
     """Import everything the judge will use before any submission runs: a module imported later would be read from
     disk after a submission could have changed it (without root, the sandbox runs as the judge's user)."""
-    from IPython.core import inputtransformer2  # noqa: F401 - the cell plan's translation of IPython syntax
-
     from course_lib.exercises import registry
-    from course_lib.grade import cells, channel, notebook, results, sandbox  # noqa: F401
+    from course_lib.grade import channel, notebook, reading, results, sandbox  # noqa: F401 (cells: reading's child)
     from course_lib.training import data_parallel, toy  # noqa: F401 - average_gradients' oracle
     from course_lib.viz import traffic_plots  # noqa: F401 - the traffic questions' formulas
 
@@ -367,8 +364,7 @@ def _result(future, plan, weights) -> judge.NotebookGrade:
     except Exception as exc:  # noqa: BLE001 - one notebook must not stop the class
         grade = judge.NotebookGrade(str(plan.path), status="failed")
         grade.notes.append(f"the grader failed on this notebook: {type(exc).__name__}: {str(exc)[:300]}")
-        grade.tests = [judge._zero(registry.get(name), "not graded: " + grade.notes[-1],
-                                   (weights or {}).get(name)).to_dict() for name in plan.grade]
+        grade.tests = judge.zero_tests(plan.grade, grade.notes[-1], weights)
         return grade
 
 

@@ -146,8 +146,7 @@ def _file_names(names) -> dict:
             continue
         unchanged = [n for n in group if plain[n] == n]
         for name in group:
-            keep = name in unchanged and len({u.casefold() for u in unchanged}) == len(unchanged) and len(unchanged) == 1
-            files[name] = plain[name] if keep else tagged(name)
+            files[name] = plain[name] if unchanged == [name] else tagged(name)
     seen: dict = {}
     for name, file in files.items():          # a name chosen to equal another's tagged file: refuse, naming both
         other = seen.setdefault(file.casefold(), name)

@@ -162,6 +162,13 @@ def _zero(exercise, text: str, weights) -> Result:
     return result
 
 
+def zero_tests(names, why: str, weights: dict | None) -> list:
+    """0 for each exercise of `names` (a name or an Exercise), "not graded: " and the reason: a notebook graded
+    with nothing."""
+    exercises = [registry.get(name) if isinstance(name, str) else name for name in names]
+    return [_zero(e, f"not graded: {why}", (weights or {}).get(e.name)).to_dict() for e in exercises]
+
+
 class _Session:
     """One notebook's sandbox: started on first use, the cells the answers need run, started again after a cell
     killed it (and the plan made again without that cell: what it would have bound now comes from elsewhere)."""
@@ -503,8 +510,7 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
         grade.status = exc.kind
         grade.notes.append(str(exc))
         names = exercises if exercises is not None else exercises_of_number(path.name)
-        grade.tests = [_zero(registry.get(name), "not graded: " + str(exc), weights.get(name)).to_dict()
-                       for name in names]
+        grade.tests = zero_tests(names, str(exc), weights)
         grade.seconds = time.monotonic() - started
         return grade
     if exercises is None:
@@ -574,7 +580,7 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
     if grade.status != "graded":
-        grade.tests = [_zero(e, f"not graded: {grade.notes[-1]}", weights.get(e.name)).to_dict() for e in exercises_]
+        grade.tests = zero_tests(exercises_, grade.notes[-1], weights)
     grade.seconds = time.monotonic() - started
     grade.timings = {**{k: round(v, 3) for k, v in (session.timings if session is not None else {}).items()},
                      "checks": {k: round(v, 3) for k, v in checks.items()}}
