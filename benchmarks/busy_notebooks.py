@@ -90,6 +90,38 @@ def _spinners(count: int) -> list:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
+def _write(args, paths, sizes, runs, loads, started) -> int:
+    """Write the results so far (after every repetition, so a stopped run keeps what it ran); returns failures."""
+    failures = sum(bool(e) for sizes_ in runs.values() for errors in sizes_.values() for e in errors)
+    result = {
+        "notebooks": [p.stem for p in paths], "reps": args.reps,
+        "reps_done": min(len(e) for per in runs.values() for e in per.values()), "busy_processes": args.busy,
+        "cores": os.cpu_count(), "world_sizes": sizes, "failures": failures,
+        "load_average_1min": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
+        "wall_s": round(time.perf_counter() - started, 1),
+        "runs": {name: {str(size): errors for size, errors in per.items()} for name, per in runs.items()},
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# Notebooks on a busy machine: {args.busy} spinning processes on {os.cpu_count()} cores",
+             "", f"`python benchmarks/busy_notebooks.py --reps {args.reps}`: {result['reps_done']} of {args.reps} runs "
+             "per notebook and world size, interleaved; "
+             f"1-minute load average median {result['load_average_1min']['median']:.1f} "
+             f"({result['load_average_1min']['min']:.1f}..{result['load_average_1min']['max']:.1f}); "
+             f"{result['wall_s'] / 60:.0f} min in all.", "",
+             "| notebook | " + " | ".join(f"WORLD_SIZE {s}" for s in sizes) + " |",
+             "| --- |" + " --- |" * len(sizes)]
+    for name, per in runs.items():
+        cells = [f"{sum(not e for e in per[s])}/{len(per[s])} passed" for s in sizes]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    errors = [(name, s, e) for name, per in runs.items() for s in sizes for e in per[s] if e]
+    lines += ["", f"Failures: {failures}."] + [f"- {name} at WORLD_SIZE {s}: {e}" for name, s, e in errors]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--notebooks", default="01,06,08,09,10,11", help="notebook numbers, comma-separated")
@@ -116,34 +148,11 @@ def main(argv=None) -> int:
                 failed = sum(bool(r[-1]) for r in runs[path.stem].values())
                 print(f"rep {rep + 1}/{args.reps} {path.stem}: {time.perf_counter() - begun:.0f} s, "
                       f"load {loads[-1]:.1f}, {failed} of {len(sizes)} sizes failed", flush=True)
+            _write(args, paths, sizes, runs, loads, started)
     finally:
         for spinner in spinners:
             spinner.kill()
-    failures = sum(bool(e) for sizes_ in runs.values() for errors in sizes_.values() for e in errors)
-    result = {
-        "notebooks": [p.stem for p in paths], "reps": args.reps, "busy_processes": args.busy,
-        "cores": os.cpu_count(), "world_sizes": sizes, "failures": failures,
-        "load_average_1min": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
-        "wall_s": round(time.perf_counter() - started, 1),
-        "runs": {name: {str(size): errors for size, errors in per.items()} for name, per in runs.items()},
-    }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# Notebooks on a busy machine: {args.busy} spinning processes on {os.cpu_count()} cores",
-             "", f"`python benchmarks/busy_notebooks.py`: {args.reps} runs per notebook and world size, interleaved; "
-             f"1-minute load average median {result['load_average_1min']['median']:.1f} "
-             f"({result['load_average_1min']['min']:.1f}..{result['load_average_1min']['max']:.1f}); "
-             f"{result['wall_s'] / 60:.0f} min in all.", "",
-             "| notebook | " + " | ".join(f"WORLD_SIZE {s}" for s in sizes) + " |",
-             "| --- |" + " --- |" * len(sizes)]
-    for name, per in runs.items():
-        cells = [f"{sum(not e for e in per[s])}/{len(per[s])} passed" for s in sizes]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    errors = [(name, s, e) for name, per in runs.items() for s in sizes for e in per[s] if e]
-    lines += ["", f"Failures: {failures}."] + [f"- {name} at WORLD_SIZE {s}: {e}" for name, s, e in errors]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    failures = _write(args, paths, sizes, runs, loads, started)
     return 1 if failures else 0
 
 
