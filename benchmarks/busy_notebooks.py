@@ -152,8 +152,7 @@ def main(argv=None) -> int:
     finally:
         for spinner in spinners:
             spinner.kill()
-    failures = _write(args, paths, sizes, runs, loads, started)
-    return 1 if failures else 0
+    return 1 if any(e for per in runs.values() for errors in per.values() for e in errors) else 0
 
 
 if __name__ == "__main__":

@@ -101,8 +101,7 @@ def _greek(character: str):
     """'λ' -> 'lambda', 'Ψ' -> 'Psi' (LaTeX's names); None for anything else."""
     words = unicodedata.name(character, "").split()
     if len(words) == 4 and words[:3] in (["GREEK", "SMALL", "LETTER"], ["GREEK", "CAPITAL", "LETTER"]):
-        name = "lamda" if words[3] == "LAMDA" else words[3].lower()
-        name = "lambda" if name == "lamda" else name
+        name = words[3].lower().replace("lamda", "lambda")         # Unicode spells it LAMDA
         return name.capitalize() if words[1] == "CAPITAL" else name
     return None
 
@@ -168,17 +167,17 @@ def table_problems(paths=None) -> list:
     used = {}
     for path in (p for p in notebooks if p.suffix == ".ipynb"):
         number = path.name[:2]
-        for index, cell in enumerate(json.loads(path.read_text())["cells"]):
-            if cell["cell_type"] != "markdown":
+        for where, text in _notebook_text(path):
+            if where.endswith("(code)"):                           # code cells' strings are not mathematics
                 continue
-            for name in sorted(math_symbols("".join(cell["source"]))):
+            for name in sorted(math_symbols(text)):
                 used.setdefault(name, set()).add(number)
                 scope = table.get(name)
                 if scope is None:
-                    found.append((f"{path.name} cell {index}", name, "not in docs/notation.md",
+                    found.append((where, name, "not in docs/notation.md",
                                   "use the table's symbol, or add a row (symbol, meaning, unit, where)"))
                 elif scope != "all" and number not in scope:
-                    found.append((f"{path.name} cell {index}", name,
+                    found.append((where, name,
                                   f"docs/notation.md gives it a meaning in {', '.join(sorted(scope))} only",
                                   "use the table's symbol, or add this notebook to the row if the meaning is the same"))
     if not paths:
