@@ -88,7 +88,11 @@ def _blocking(call, peer_name, peer, tensor, chunk, run):
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, chunk: int | None = None) -> None:
-    """Send `tensor` to rank `dst` and wait until it is handed over (like `torch.distributed.send`).
+    """Send `tensor` to rank `dst` and return once it is handed over (like `torch.distributed.send`).
+
+    Under gloo the call blocks the process until the receiver has taken the message; under NCCL it returns once
+    the send is queued on the GPU's stream, and only the stream waits (PyTorch's "Synchronous and asynchronous
+    collective operations").
 
     Args:
         tensor: the data to send (contiguous).

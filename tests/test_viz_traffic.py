@@ -114,7 +114,7 @@ def test_master_versus_others_plots_measured_loads(runs, unit):
     per = {"bytes": 8 * UNEVEN, "elements": UNEVEN, "messages": 1}[unit]
     assert master == [2 * (G - 1) * per for G in SIZES]
     assert others == [2 * per for _ in SIZES]
-    formula_label = "master, formula 2(G-1)" + ("" if unit == "messages" else "N")
+    formula_label = "master, formula 2(G-1)" + {"messages": "", "bytes": "S"}.get(unit, "N")   # S bytes, N elements
     fx, fy = _line(fig, formula_label)
     assert fx[0] == 2 and fx[-1] == 6 and fy[-1] == master[-1]
 

@@ -297,11 +297,12 @@ def plot_master_vs_others(runs: Mapping[int, Sequence], root: int = 0, unit: str
     fig, (ax,) = _figure(5.6, 3.6)
     if numel is not None and unit != "messages":
         scale = _bytes_per_element(runs[sizes[0]]) if unit == "bytes" else 1
+        letter = "S" if unit == "bytes" else "N"   # S bytes, N elements (docs/notation.md)
         dense = _dense(sizes)
         ax.plot(dense, [2 * (G - 1) * numel * scale for G in dense], color=_BLUE, linestyle="--",
-                linewidth=1.2, label="master, formula 2(G-1)N")
+                linewidth=1.2, label=f"master, formula 2(G-1){letter}")
         ax.plot(dense, [2 * numel * scale for _ in dense], color=_ORANGE, linestyle=":", linewidth=1.5,
-                label="other rank, formula 2N")
+                label=f"other rank, formula 2{letter}")
     elif unit == "messages":
         dense = _dense(sizes)
         ax.plot(dense, [2 * (G - 1) for G in dense], color=_BLUE, linestyle="--", linewidth=1.2,
@@ -468,7 +469,8 @@ def plot_message_timeline(recordings: Sequence, title: str | None = None, show_c
     ax.set_xlim(-0.6, columns - 0.4)
     ax.set_xticks(range(columns), [str(c - offsets[p]) for p in phases for c in range(offsets[p], offsets[p] + widths[p])]
                   if phases else [])
-    ax.set_xlabel("step within phase (arrow: sender -> receiver; cK = chunk K)")
+    labelled = show_chunks and any(event.chunk is not None for *_, event in placed)
+    ax.set_xlabel("step within phase (arrow: sender -> receiver" + ("; c3 = chunk 3)" if labelled else ")"))
     ax.set_title(title or f"messages of one run on {G} ranks", fontsize=11, pad=18)
     return fig
 
