@@ -3,14 +3,15 @@
     python benchmarks/exercise_catch_rate.py                      # checks only
     python benchmarks/exercise_catch_rate.py --grade --repeat 3   # and course_lib.grade on notebooks 04, 05
     python benchmarks/exercise_catch_rate.py --out benchmarks/results/exercise_catch_rate.txt
-    python benchmarks/exercise_catch_rate.py --part 2 --out benchmarks/results/exercise_catch_rate_part2.txt
+    python benchmarks/exercise_catch_rate.py --part 2 --append --out benchmarks/results/exercise_catch_rate.txt
 
 Every entry of tests/planted_bugs.py (notebooks 00-07; with --part 2, tests/planted_bugs_part2.py: 08-11 and the
 capstone) goes through the public `exercises.check(name, fn, hidden=True)`, i.e.
 every hidden case on G = 1..8 ranks, with the default time limits. A bug is *caught* when it loses points;
 its feedback *names it* when the first problem reported contains the phrase the catalogue expects. A
 correct solution must get full marks. The machine's load average is printed with the figures: the
-times depend on it (2 cores shared with other work), the counts do not.
+times depend on it (2 cores shared with other work), the counts do not. The results file holds both
+parts, one after the other (the two commands above).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grade", action="store_true", help="also time course_lib.grade on notebooks 04 and 05")
     parser.add_argument("--repeat", type=int, default=1, help="grades per notebook (median and spread)")
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--append", action="store_true", help="add the report at the end of --out, after a blank line")
     parser.add_argument("--part", type=int, choices=(1, 2), default=1,
                         help="1: the catalogue of notebooks 00-07; 2: that of 08-11 and the capstone")
     parser.add_argument("--only", help="only the entries of this exercise")
@@ -48,7 +50,9 @@ def main(argv=None) -> int:
     catalogue = planted_bugs if args.part == 1 else planted_bugs_part2
     correct = [e for e in catalogue.CORRECT if args.only in (None, e.exercise)]
     bugs = [e for e in catalogue.BUGS if args.only in (None, e.exercise)]
-    lines = [f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (times move with it)"]
+    covers = "notebooks 00-07" if args.part == 1 else "notebooks 08-11 and the capstone"
+    lines = [f"part {args.part}: {catalogue.__name__}.py ({covers})",
+             f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (times move with it)"]
 
     def say(text=""):
         print(text, flush=True)
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
                 spread = f" (min {min(runs):.1f}, max {max(runs):.1f})" if len(runs) > 1 else ""
                 say(f"  {folder}/{name}: {', '.join(sorted(scores))} points, median {statistics.median(runs):.1f} s{spread}")
     if args.out:
-        pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
+        with open(args.out, "a" if args.append else "w") as f:
+            f.write(("\n" if args.append else "") + "\n".join(lines) + "\n")
     return 0 if caught / len(bugs) >= 0.95 and not wrong else 1
 
 

@@ -24,7 +24,10 @@ back at most that share.
 
 Writes benchmarks/results/fast_allreduce_figures.{json,md} (or --out STEM) with the machine's
 description and the load average before and after. On a shared machine the ratios move by 15% or
-more: quote a figure only from a run on a quiet machine, with its spread.
+more: quote a figure only from a run on a quiet machine, with its spread. One launch still carries
+its own conditions: the figures README.md quotes pool three launches (benchmarks/pool_results.py),
+in the pooled section at the end of benchmarks/results/fast_allreduce_figures.md; run the further
+launches with --out /tmp/... so that the results folder keeps one file per benchmark.
 """
 
 from __future__ import annotations

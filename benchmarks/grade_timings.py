@@ -1,9 +1,9 @@
 """How long `python -m course_lib.grade` takes: one student's 8 notebooks in one command, and a class of 20.
 
-    python benchmarks/grade_timings.py submission --reps 9 --quiet-load 1.5     # one student, 9 repetitions
-    python benchmarks/grade_timings.py class --reps 3 --quiet-load 1.5          # 20 students, 3 repetitions
-    python benchmarks/grade_timings.py submission --all --reps 9 --out benchmarks/results/grade_timings_all
-                                     # every graded notebook (00-11 and 13), instead of the 8 of 00-07
+    python benchmarks/grade_timings.py submission --all --reps 9     # every graded notebook (00-11 and 13)
+    python benchmarks/grade_timings.py submission --reps 9 --quiet-load 1.5 --out /tmp/grade_00_07
+                                     # the 8 notebooks of 00-07 only, 9 repetitions
+    python benchmarks/grade_timings.py class --reps 3 --quiet-load 1.5 --out /tmp/grade_class   # 20 students
 
 **submission**: the 8 notebooks of one submission (00 to 07) graded by one command, as Gradescope's
 run_autograder grades them: `python -m course_lib.grade 00_....ipynb ... 07_....ipynb --json results.json`,
@@ -22,8 +22,10 @@ every student's total must be the sum of the points of their solved notebooks.
 
 Wall time of the whole command (a fresh Python each time). With --quiet-load L the script first waits, polling
 every minute for up to --wait minutes, until the 1-minute load average is below L, then runs anyway; the load
-before every run is recorded with it. Writes benchmarks/results/grade_timings.{json,md} (submission) or
-grade_class_timings.{json,md} (class): median, min..max and spread ((max - min) / median) of the repetitions.
+before every run is recorded with it. Reported: median, min..max and spread ((max - min) / median) of the
+repetitions. submission writes benchmarks/results/grade_timings.{json,md} (or --out STEM): the figures
+README.md quotes are `submission --all`'s, and the earlier runs it quotes are the last section of that file.
+class prints its report, and writes STEM.{json,md} with --out STEM.
 """
 
 from __future__ import annotations
@@ -334,10 +336,11 @@ def klass(args) -> int:
             "students": STUDENTS,
             "notebooks_solved": solved, "total": summary(r["seconds"] for r in runs), "load_after": load1(),
             "problems": problems, "runs": runs}
-    out = pathlib.Path(args.out or RESULTS / "grade_class_timings")
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     text = class_markdown(data)
-    out.with_suffix(".md").write_text(text)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+        out.with_suffix(".md").write_text(text)
     print(text)
     return 1 if problems else 0
 

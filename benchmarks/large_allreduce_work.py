@@ -22,8 +22,10 @@ Why CPU time: four ranks share two cores, so a call cannot take less than (CPU t
 for each other) finishes first; if one costs more, no schedule can hide it. The CPU columns say which
 of the two a difference comes from.
 
-Writes benchmarks/results/large_allreduce_work.{json,md} (pooled, with the targets) and
-..._launch{K}.{json,md} for every launch (or --out STEM).
+Writes benchmarks/results/large_allreduce_work.{json,md} (or --out STEM): pooled, with the targets and
+each launch's median ratio; the JSON keeps every repetition of every launch, in launch order. With
+--launch-out STEM every launch is also written on its own, to STEM_launch{K}.{json,md} (outside the
+results folder, which keeps one file per benchmark).
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--note", default="", help="recorded in the results, e.g. 'nothing else running'")
     parser.add_argument("--out", default=str(RESULTS / "large_allreduce_work"))
+    parser.add_argument("--launch-out", metavar="STEM", default=None,
+                        help="also write every launch on its own, to STEM_launch{K}.{json,md}")
     args = parser.parse_args(argv)
     if args.reps * args.launches < 9:
         print("note: fewer than 9 repetitions in all: a look, not a figure to quote", file=sys.stderr)
@@ -107,9 +111,11 @@ def main(argv=None) -> int:
         loads.append(bench.machine_description()["loadavg"])
         print(f"launch {k + 1}/{args.launches}, load average after: {loads[-1]}", file=sys.stderr)
         print(results.table("builtin"), file=sys.stderr)
-        results.save(f"{args.out}_launch{k + 1}", "builtin", title=f"Large all-reduces, launch {k + 1} of {args.launches}",
-                     meta={"command": command, "reps": args.reps, "warmup": args.warmup, "note": args.note,
-                           "loadavg_before": loads[-2], "loadavg_after": loads[-1]})
+        if args.launch_out:
+            results.save(f"{args.launch_out}_launch{k + 1}", "builtin",
+                         title=f"Large all-reduces, launch {k + 1} of {args.launches}",
+                         meta={"command": command, "reps": args.reps, "warmup": args.warmup, "note": args.note,
+                               "loadavg_before": loads[-2], "loadavg_after": loads[-1]})
         launches.append(results)
 
     pooled = pool(launches)

@@ -1,6 +1,7 @@
 """The modeled NCCL against published nccl-tests figures: predicted / published for every row of the table.
 
-    python benchmarks/nccl_published.py            # prints the rows and the summary, writes benchmarks/results/
+    python benchmarks/nccl_published.py    # prints the rows and the summary; writes them to
+                                           # benchmarks/results/nccl_published.{json,md}
 
 The table is `benchmarks/data/nccl_tests_published.csv`: one row per published nccl-tests output line (or a
 figure a source states), with its configuration, its source (an issue, a README, a page), and the model's
@@ -127,7 +128,8 @@ def summary(results: list) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    parser.add_argument("--no-write", action="store_true",
+                        help="print only; do not write benchmarks/results/nccl_published.{json,md}")
     args = parser.parse_args(argv)
     rows = list(csv.DictReader(open(TABLE)))
     results, skipped = [], []

@@ -22,8 +22,10 @@ algorithm alone, as bench times it), except in the part that measures what they 
     overhead    ib_ndr   4       4 KiB,   ring                           reported: this machine's wall time per
                                  1 MiB                                   call, modeled launch / plain launch
 
-Writes benchmarks/results/network_model_<part>.{json,md} (bench's tables) and network_model.md (the
-targets, measured). Overlap with backward on a modeled link is measured by
+Writes benchmarks/results/network_model.{json,md} (or --out STEM): the targets, measured, then every part's
+own tables (bench's); the JSON holds the targets and every part's records, raw times included. A run of only
+some parts writes STEM_<parts>.{json,md} instead (a look, not the figures). Overlap with backward on a modeled
+link is measured by
 `benchmarks/overlap_figures.py --network ...`; the modeled clock under two busy processes, 64 ranks and
 torch's own all_reduce by `benchmarks/modeled_clock.py`.
 """
@@ -61,13 +63,29 @@ def _ratio_row(result: bench.Result) -> dict:
                 met=max(abs(x - 1) for x in ratios) <= EXACT)
 
 
-def model_part(name, network, world_sizes, size, variants, reps, stem, arg_checks=False):
+def model_part(name, network, world_sizes, size, variants, reps, parts, arg_checks=False):
+    """Run one part; its records (JSON) and bench's tables (markdown) go into `parts[name]`."""
     results = bench.run(sizes=[size], world_sizes=world_sizes, variants=variants, reps=reps, network=network,
                         arg_checks=arg_checks, progress=True)
     note = "argument checks on, as in a learner's call" if arg_checks else "argument checks off: the algorithm alone"
-    results.save(f"{stem}_{name}", title=f"All-reduce on a modeled link ({network.describe()}): modeled clock",
-                 meta={"command": " ".join(sys.argv), "note": note})
+    meta = {"reference": None, "command": " ".join(sys.argv), "note": note}
+    title = f"All-reduce on a modeled link ({network.describe()}): modeled clock"
+    parts[name] = (json.loads(results.to_json(meta=meta)), results.to_markdown(None, title=title, meta=meta))
     return results, [_ratio_row(r) for r in results]
+
+
+def part_section(name: str, text: str) -> str:
+    """A part's markdown, one heading level down, under a heading that names the part."""
+    lines = text.rstrip("\n").split("\n")
+    out = []
+    for line in lines:
+        if line.startswith("# "):
+            out.append(f"## Part {name}: {line[2:]}")
+        elif line.startswith("#"):
+            out.append("#" + line)
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def scaling_rows(results: bench.Results) -> list[dict]:
@@ -118,7 +136,7 @@ def _ring_times(rank, world_size, sizes, reps):
     return times
 
 
-def overhead_part(launches: int, reps: int, stem: str) -> list[dict]:
+def overhead_part(launches: int, reps: int, parts: dict) -> list[dict]:
     """Plain launches and launches on ib_ndr, alternating; one median per launch of this machine's wall time per call
     (time.perf_counter inside the ranks: what the modeled clock's bookkeeping costs this machine, not modeled time)."""
     sizes = [4096, 1 << 20]
@@ -137,9 +155,8 @@ def overhead_part(launches: int, reps: int, stem: str) -> list[dict]:
         spread = bench.spread(ratios)
         rows.append(dict(target=f"ring, G=4, {bench.format_bytes(n)}: this machine's wall time per call, ib_ndr launch / "
                                 f"plain launch (reported)", measured=spread, met=None))
-    with open(f"{stem}_overhead.json", "w", encoding="utf-8") as f:
-        json.dump({"meta": bench.machine_description(), "launches": launches, "reps_per_launch": reps,
-                   "medians_s": {f"{k} {n}": v for (k, n), v in medians.items()}}, f, indent=1)
+    parts["overhead"] = ({"meta": bench.machine_description(), "launches": launches, "reps_per_launch": reps,
+                          "medians_s": {f"{k} {n}": v for (k, n), v in medians.items()}}, None)
     return rows
 
 
@@ -172,31 +189,35 @@ def main(argv=None) -> int:
     meta = {**bench.machine_description(), "command": "python benchmarks/network_model.py " + " ".join(argv or sys.argv[1:]),
             "load_before": [round(x, 2) for x in os.getloadavg()]}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    rows = []
+    rows, tables = [], {}
     if "bandwidth" in parts:
         rows += model_part("bandwidth", BANDWIDTH, [4], "8MiB", ["ring", "naive", "parameter_server"], args.reps,
-                           args.out)[1]
+                           tables)[1]
     if "latency" in parts:
-        rows += model_part("latency", LATENCY, [4], "4KiB", ["ring", "tree"], args.reps, args.out)[1]
+        rows += model_part("latency", LATENCY, [4], "4KiB", ["ring", "tree"], args.reps, tables)[1]
     if "scaling" in parts:
         results, ratio_rows = model_part("scaling", BANDWIDTH, [2, 8], "8MiB", ["ring", "parameter_server"],
-                                         args.reps, args.out)
+                                         args.reps, tables)
         rows += ratio_rows + scaling_rows(results)
     if "busbw" in parts:
         results, ratio_rows = model_part("busbw", BUSBW, [4], "64MiB", ["ring", "ring_pipelined", "halving_doubling"],
-                                         args.reps, args.out)
+                                         args.reps, tables)
         rows += ratio_rows + busbw_rows(results, BUSBW)
     if "checks" in parts:
-        results, _ = model_part("checks", LATENCY, [4], "4KiB", ["ring"], args.reps, args.out, arg_checks=True)
+        results, _ = model_part("checks", LATENCY, [4], "4KiB", ["ring"], args.reps, tables, arg_checks=True)
         rows += checks_rows(results)
     if "overhead" in parts:
-        rows += overhead_part(max(args.reps, 9), 15, args.out)
+        rows += overhead_part(max(args.reps, 9), 15, tables)
     meta["load_after"] = [round(x, 2) for x in os.getloadavg()]
     text = markdown(rows, meta)
+    print(text)
+    text += "".join("\n" + part_section(name, table) for name, (_doc, table) in tables.items() if table)
     suffix = "" if set(parts) == set(PARTS) else "_" + "_".join(parts)
+    with open(f"{args.out}{suffix}.json", "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "targets": rows, "parts": {name: doc for name, (doc, _table) in tables.items()}},
+                  f, indent=1)
     with open(f"{args.out}{suffix}.md", "w", encoding="utf-8") as f:
         f.write(text)
-    print(text)
     return 0 if all(row["met"] is not False for row in rows) else 1
 
 

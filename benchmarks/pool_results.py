@@ -1,8 +1,12 @@
 """Pool the paired ratios of several launches of one benchmark into one figure per variant and size.
 
-    python benchmarks/pool_results.py benchmarks/results/fast_allreduce_figures.json \
-        benchmarks/results/fast_allreduce_figures_run2.json benchmarks/results/fast_allreduce_figures_run3.json \
-        --out benchmarks/results/fast_allreduce_figures_pooled.md
+    python benchmarks/fast_allreduce_figures.py --reps 11 --out /tmp/run2     # and /tmp/run3: more launches
+    python benchmarks/pool_results.py benchmarks/results/fast_allreduce_figures.json /tmp/run2.json /tmp/run3.json
+
+It prints the table (--out also writes it to a file). The pooled table README.md quotes for small sizes
+is the last section of benchmarks/results/fast_allreduce_figures.md, and the pooled launches of the
+segment sweep the last of benchmarks/results/ring_segment_size.md: the results folder keeps one file
+per benchmark, so a pooled table goes into that benchmark's file, and the extra launches stay outside.
 
 One launch of 11 repetitions still carries that launch's conditions (what else ran, how the ranks
 landed on the cores): on this 2-core machine the same schedule reads 10-15% apart between launches.

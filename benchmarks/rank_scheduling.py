@@ -21,8 +21,9 @@ network). Two workloads:
 Per launch: the slowest rank's time (`time.perf_counter`) and the CPU time of all ranks together (`time.process_time`
 of each rank's process, all its threads: what a busy machine, or CI, pays). Printed and written: median and spread
 (min..max) over repetitions, and the ratio default / batch per repetition. `--busy N` starts N processes that
-spin on the CPU for the whole run (as other programs, or CI's other test worker, would) and writes
-`rank_scheduling_busy{N}`.
+spin on the CPU for the whole run (as other programs, or CI's other test worker, would). Writes
+benchmarks/results/rank_scheduling.{json,md} (or --out STEM): one run per N, each a section of the file; a run
+replaces the one with the same N and keeps the others.
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, help="busy processes beside the launches")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   "rank_scheduling" + (f"_busy{args.busy}" if args.busy else ""))
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", "rank_scheduling")
     if not hasattr(os, "SCHED_BATCH"):
         sys.exit("SCHED_BATCH is Linux's: nothing to compare on this system")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
@@ -123,27 +123,54 @@ def _measure(args) -> list:
 
 
 def _write(args, results, out) -> None:
-    beside = f", {args.busy} busy processes beside the launches throughout" if args.busy else ", nothing else running"
+    """This run into OUT.json and OUT.md, beside the runs already there with another --busy (one section each)."""
+    run = {"reps": args.reps, "busy": args.busy, "sizes": args.sizes, "workloads": args.workloads,
+           "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+    runs = sorted([r for r in _runs(out + ".json") if r["busy"] != args.busy] + [run], key=lambda r: r["busy"])
+    with open(out + ".json", "w") as f:
+        json.dump({"runs": runs}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(markdown(runs))
+    print("\n".join(_section(run)))
+
+
+def _runs(path) -> list:
+    """The runs written before (a file of one run without "runs" is that run)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        document = json.load(f)
+    return document["runs"] if "runs" in document else [document]
+
+
+def markdown(runs) -> str:
     lines = ["# A launch's ranks under the default scheduling policy or SCHED_BATCH", "",
-             f"`python benchmarks/rank_scheduling.py --sizes {args.sizes} --workloads {args.workloads} --reps "
-             f"{args.reps}{f' --busy {args.busy}' if args.busy else ''}` on {os.cpu_count()} cores{beside}; ms per ring all-reduce of 64 float32 (rings) or per training "
-             "step (training), median (min..max) over repetitions; wall: the slowest rank, this machine's clock; "
-             "CPU: all ranks' processes together; ratio: default / batch per repetition.", "",
+             "One section per run of `python benchmarks/rank_scheduling.py` (`--busy N`: N busy processes beside the "
+             "launches throughout). ms per ring all-reduce of 64 float32 (rings) or per training step (training), median "
+             "(min..max) over repetitions; wall: the slowest rank, this machine's clock; CPU: all ranks' processes "
+             "together; ratio: default / batch per repetition."]
+    for run in runs:
+        lines += [""] + _section(run)
+    return "\n".join(lines) + "\n"
+
+
+def _section(run) -> list:
+    busy = run["busy"]
+    lines = [f"## {f'{busy} busy processes beside the launches' if busy else 'Nothing else running'}", "",
+             f"`python benchmarks/rank_scheduling.py --sizes {run.get('sizes', '?')} --workloads "
+             f"{run.get('workloads', '?')} --reps {run['reps']}{f' --busy {busy}' if busy else ''}` on "
+             f"{run.get('cores', '?')} cores, {run.get('date', 'date not recorded')}.", "",
              "| workload | ranks | wall: default | wall: batch | wall ratio | CPU: default | CPU: batch | CPU ratio |",
              "| --- | --- | ---: | ---: | --- | ---: | ---: | --- |"]
 
     def cell(d):
         return f"{d['median']:.2f} ({d['min']:.2f}..{d['max']:.2f})"
 
-    for row in results:
+    for row in run["results"]:
         lines.append(f"| {row['workload']} | {row['world_size']} | {cell(row['default_wall_ms'])} | "
                      f"{cell(row['batch_wall_ms'])} | {cell(row['ratio_wall'])} | {cell(row['default_cpu_ms'])} | "
                      f"{cell(row['batch_cpu_ms'])} | {cell(row['ratio_cpu'])} |")
-    with open(out + ".json", "w") as f:
-        json.dump({"reps": args.reps, "busy": args.busy, "results": results}, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ time over all ranks and the machine's idle share are recorded too (cpu=True): mo
 messages, which cost CPU, and fewer idle cores, which saves time; the two columns show which wins.
 
 Writes benchmarks/results/ring_segment_size.{json,md} (or --out STEM). The default of
-`fast_allreduce.SEGMENT_BYTES` is the size this chose; its docstring says what the file showed.
+`fast_allreduce.SEGMENT_BYTES` is the size this chose; the comment above it gives the rule, and the
+figures are in that file, whose last section pools repeated launches (benchmarks/pool_results.py):
+run further launches with --out /tmp/..., so that the results folder keeps one file per benchmark.
 """
 
 from __future__ import annotations

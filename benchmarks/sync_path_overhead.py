@@ -1,7 +1,7 @@
 """Did async_op and the aliasing fixes slow down the synchronous collectives? Old code against new, paired.
 
     python benchmarks/sync_path_overhead.py                          # 4 ranks, 1 KiB, base acd904d
-    python benchmarks/sync_path_overhead.py --world-size 2 --reps 15 --json benchmarks/results/x.json
+    python benchmarks/sync_path_overhead.py --world-size 2 --reps 15 --json /tmp/sync_path_G2.json
 
 The library as it was before issue 12 (git commit --base, default acd904d) is unpacked into a
 temporary directory as the package `course_lib_base` and imported beside `course_lib`, so both run
@@ -15,6 +15,9 @@ all_reduce is also timed with the check on.
 Printed per operation: the median over repetitions of (new time / old time in the same repetition)
 and the spread of that ratio (min..max), with the median times in microseconds; then each version's
 best repetition (the least disturbed by other processes on a shared machine).
+
+The figures docs/architecture.md quotes (one rank and two) are in benchmarks/results/sync_path_overhead.md;
+sync_path_overhead.json holds those two runs' --json documents, under "runs".
 """
 
 from __future__ import annotations

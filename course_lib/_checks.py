@@ -187,9 +187,9 @@ def _share(row: torch.Tensor, world_size: int) -> torch.Tensor:
     """Every rank's `row`, on every rank: a (world_size, len(row)) table, index = rank.
 
     From 3 ranks on, rank 0 gathers the rows and broadcasts the table: 2 (G - 1) messages in all, where gloo's
-    ring `all_gather` sends G (G - 1). This check runs before every collective, so in a training loop of small
-    messages the ring cost more than the all-reduce it guarded. With 2 ranks both send 2 messages, and one
-    call costs less than two. benchmarks/results/argument_check.md has both ways at 2, 3, 4 and 8 ranks.
+    ring `all_gather` sends G (G - 1). This check runs before every collective, small ones included, so it
+    should cost little beside what it guards: it takes the way with fewer messages, and with 2 ranks, where
+    both send 2, the one call rather than two. Both ways, measured: benchmarks/results/argument_check.md.
     """
     if world_size <= 2:
         return _all_gather_rows(row, world_size)

@@ -56,7 +56,7 @@ gives those paired ratios t_variant / t_reference, one per repetition; their med
 what the tables and `Results.to_markdown` report next to each median::
 
     python -m course_lib.bench --sizes 4KiB,16MiB --world-sizes 4 --variants all --reference builtin \
-        --save benchmarks/results/bench_4ranks        # writes bench_4ranks.json and bench_4ranks.md
+        --save /tmp/bench_4ranks        # writes /tmp/bench_4ranks.json and /tmp/bench_4ranks.md
 """
 
 from __future__ import annotations
@@ -910,7 +910,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--json", metavar="PATH", help="write the records and the run's description as JSON")
     parser.add_argument("--save", metavar="STEM",
-                        help="write STEM.json and STEM.md (e.g. benchmarks/results/bench_4ranks)")
+                        help="write STEM.json and STEM.md (e.g. /tmp/bench_4ranks)")
     parser.add_argument("--plot", metavar="PATH", help="save a plot (matplotlib) of time and busbw against size")
     parser.add_argument("--no-check", action="store_true", help="skip comparing results with the built-in all_reduce")
     parser.add_argument("--cpu", action="store_true",

@@ -103,27 +103,16 @@ def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
 # ends up owning during scatter-reduce, nor its right neighbour's during all-gather), 2(G-1) N/G
 # when G divides N, in 2(G-1) k messages. Steps: G-1 per phase.
 
-# Chosen by measurement: benchmarks/ring_segment_size.py times ring_pipelined with several segment
-# sizes beside the plain ring and gloo's built-in (4 ranks, 16 and 64 MiB per rank, interleaved).
-# On this 2-core machine with nothing else running (benchmarks/results/ring_segment_size.md, 11
-# repetitions, and ring_segment_size_quiet{1,2,3}.md, three launches of 15):
-#   - 256 and 512 KiB segments were slower than 1 MiB, and 1 MiB slower than 2-8 MiB at 64 MiB
-#     (median time / built-in's over the three launches: 1 MiB 0.97, 4 MiB 0.92, 8 MiB 0.89).
-#     Every segment is a message that costs Python and gloo bookkeeping and a wake-up of the waiting
-#     rank, while adding is only 2-6% of the ring's time here (fast_allreduce_figures.py measures it):
-#     with four ranks on two cores there is little idle CPU for the overlap to win back.
-#   - At 16 MiB a chunk is 4 MiB, so 4 and 8 MiB segments run the very same schedule (one segment);
-#     their ratios still read 0.90 vs 1.04 in one launch: that is the noise of this machine.
-#   - In the same launches the plain ring read 0.98 / 0.92 / 0.89 at 64 MiB (median 0.92), as 4 MiB
-#     segments did: on this machine pipelining buys nothing measurable over the plain ring; what the
-#     sweep decides is only how much a too-small segment costs.
-#   - Three more launches with CPU accounting (ring_segment_size_cpu{1,2,3}.md) tried 4, 8 and 16 MiB
-#     at 64 MiB: per launch 0.952/1.028/0.967, 0.935/1.029/0.983 and 0.952/0.996/0.986 of the built-in, inside
-#     one another's spread. More segments leave fewer cores idle but cost CPU for the extra messages.
-# 4 MiB is kept: within noise of the best (8 MiB read 0.89), and it still cuts a chunk into several
-# segments once a chunk is larger than 4 MiB, so the schedule stays the pipelined one. gloo caps its
-# segments at 1 MiB, and NCCL's ring moves 1 MiB slices with its Simple protocol (smaller for small calls). On hardware where the link, not the CPU, is
-# the bottleneck, smaller is better.
+# Chosen by measurement, not guessed (benchmarks/ring_segment_size.py; figures in
+# benchmarks/results/ring_segment_size.md). The rule: every segment is one more message, which costs
+# Python and gloo bookkeeping and a wake-up of the waiting rank, while adding (all that a segment
+# overlaps with the transfer) is a small share of the ring's time where the CPU is the bottleneck, as
+# with four ranks on two cores. There a segment should be large: keep a size within the machine's
+# launch-to-launch noise of the fastest one measured (segments of 1 MiB and less cost measurably
+# more), yet small enough that a large chunk is still cut into several, so that the schedule stays
+# the pipelined one. 4 MiB is that size here. gloo caps its segments at 1 MiB, and NCCL's ring moves
+# 1 MiB slices with its Simple protocol (smaller for small calls). On hardware where the link, not the
+# CPU, is the bottleneck, smaller is better.
 SEGMENT_BYTES = 4 << 20
 
 

@@ -354,14 +354,15 @@ def _schedule_as_batch() -> None:
     with more ranks than cores (8 ranks on a laptop's 2) a ring step is a string of context switches and
     cross-core wake-ups, most of the time spent in the kernel. SCHED_BATCH tells the scheduler the thread is
     not interactive: a woken thread waits for the running one to block or use up its slice, and the sender
-    usually runs on to its own receive first. A rank keeps its share of the CPU. On a quiet 2-core machine a ring
-    all-reduce of 64 floats takes 3-5x less wall and CPU time at 2-8 ranks, a training step 1.4-1.7x less
-    (benchmarks/rank_scheduling.py). The price is paid beside programs that never block: a woken rank waits for
-    their slice to end instead of preempting them, so with two such busy processes on both cores the ranks use
-    half the CPU but take up to 2.3x the wall time (benchmarks/results/rank_scheduling_busy2.md); the course's
-    timing lessons read the modeled clock, which no policy moves. The policy is per thread and inherited: it is
-    set on every thread the rank has (a spawned rank's interpreter may have started some) before the process
-    group starts gloo's. Linux only; elsewhere, or where the call is refused, the rank runs as before.
+    usually runs on to its own receive first. A rank keeps its share of the CPU. So where ranks outnumber the cores
+    and block in turn, as course_lib's do, a message costs fewer switches, less wall time and less CPU time. The
+    price is paid beside programs that never block: a woken rank waits for their slice to end instead of
+    preempting them, so the ranks use less CPU but can take longer on the wall clock; the course's timing lessons
+    read the modeled clock, which no policy moves. Both ways measured, on a quiet machine and beside busy
+    processes: benchmarks/results/rank_scheduling.md (benchmarks/rank_scheduling.py). The policy is per thread
+    and inherited: it is set on every thread the rank has (a spawned rank's interpreter may have started some)
+    before the process group starts gloo's. Linux only; elsewhere, or where the call is refused, the rank runs
+    as before.
     """
     if not hasattr(os, "SCHED_BATCH"):
         return
