@@ -105,7 +105,7 @@ def _write(args, paths, sizes, runs, loads, started) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Notebooks on a busy machine: {args.busy} spinning processes on {os.cpu_count()} cores",
-             "", f"`python benchmarks/busy_notebooks.py --reps {args.reps}`: {result['reps_done']} of {args.reps} runs "
+             "", f"`python benchmarks/busy_notebooks.py --notebooks {args.notebooks} --reps {args.reps} --busy {args.busy}`: {result['reps_done']} of {args.reps} runs "
              "per notebook and world size, interleaved; "
              f"1-minute load average median {result['load_average_1min']['median']:.1f} "
              f"({result['load_average_1min']['min']:.1f}..{result['load_average_1min']['max']:.1f}); "
