@@ -420,6 +420,8 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_GRACE),
         )
+        if backend == "nccl":
+            connect_every_pair(rank, world_size)
         if network is not None:
             _clock.activate(network, files.network, rank, world_size)
         result = fn(rank, world_size, *args, **kwargs)
@@ -444,6 +446,25 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(exitcode)
+
+
+def connect_every_pair(rank: int, world_size: int, group=None) -> None:
+    """Open the point-to-point connection of every pair of ranks once, in one order that cannot deadlock.
+
+    PyTorch's NCCL backend builds a communicator for two ranks on their first send or receive, and building it blocks
+    the caller until the peer makes its own first call to this rank (pytorch/pytorch#113281). A ring whose ranks all
+    send to the right first then waits for ever at its first step. Here the pairs (i, j), i < j, are taken in
+    lexicographic order, i sending one number to j: the first pair in that order not yet done always has both of its
+    ranks waiting on it, so every pair gets done. `launch` calls it under NCCL before `fn` runs; under gloo, whose
+    pairs connect when the group starts, it is only a few small messages.
+    """
+    token = torch.zeros(1, device=device())
+    for i in range(world_size):
+        for j in range(i + 1, world_size):
+            if rank == i:
+                dist.send(token, j, group=group)
+            elif rank == j:
+                dist.recv(token, i, group=group)
 
 
 def _write_result(files: _RankFiles, record) -> None:

@@ -918,3 +918,28 @@ def test_a_forked_rank_runs_parallel_torch_ops_after_the_caller_did():
     finally:
         torch.set_num_threads(saved)
     assert results[0][1] == 1
+
+
+def _connect_and_report(rank, world_size):
+    launching = sys.modules["course_lib.launch"]      # the module (course_lib.launch is also the function)
+    calls = []
+    real_send, real_recv = dist.send, dist.recv
+    dist.send = lambda tensor, dst, group=None: calls.append(("send", dst)) or real_send(tensor, dst, group=group)
+    dist.recv = lambda tensor, src, group=None: calls.append(("recv", src)) or real_recv(tensor, src, group=group)
+    try:
+        launching.connect_every_pair(rank, world_size)
+    finally:
+        dist.send, dist.recv = real_send, real_recv
+    return calls
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_connecting_every_pair_finishes_with_blocking_sends(world_size):
+    # gloo's blocking send waits for the peer's receive, as NCCL's first call between two ranks waits for the peer:
+    # an order with a cycle in it (every rank sending to the right first) would hang here until the timeout.
+    calls = course_lib.launch(_connect_and_report, world_size=world_size, backend="gloo", timeout=30)
+    for rank, made in enumerate(calls):
+        expected = [("send", j) if rank == i else ("recv", i) for i in range(world_size)
+                    for j in range(i + 1, world_size) if rank in (i, j)]
+        assert made == expected, (rank, made)
+        assert sorted(peer for _, peer in made) == [r for r in range(world_size) if r != rank]   # every pair once
