@@ -39,7 +39,8 @@ elements; uncompressed training carries them in its one ring all-reduce of N + 2
 
 The repetitions read the same (the spread is 0). --network none times on this machine's clock instead.
 
-Writes benchmarks/results/compression_figures_<G>ranks.json and .md.
+Writes benchmarks/results/compression_figures.{json,md} (or --out STEM): one run per world size, under "runs" in the
+JSON (key `<G>ranks`) and a section of the .md; a run replaces the one with its key and keeps the others.
 """
 
 from __future__ import annotations
@@ -271,12 +272,35 @@ def analyse(per_rank, options):
             "curves_seed0": {name: per_rank[0]["seeds"][0][name]["losses"] for name in VARIANTS}}
 
 
-def markdown(result) -> str:
+DEFAULTS = {"steps": 200, "seeds": 3, "time_hidden": [128, 512], "time_steps": 4, "ddp_steps": 60, "hidden": 128,
+            "depth": 2, "batch": 8, "lr": 0.05, "rank": 2, "density": 0.01}   # main's; a command names the others
+
+
+def command(o) -> str:
+    """The command that makes a run of options `o` (every option that is not the default)."""
+    flags = "".join(f" --{name.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
+                    for name, value in ((n, o[n]) for n in DEFAULTS) if value != DEFAULTS[name])
+    default_reps = 2 if o.get("network") else 9
+    return (f"python benchmarks/compression_figures.py --world-size {o['world_size']} --network "
+            f"'{o.get('network') or 'none'}'" + (f" --reps {o['reps']}" if o["reps"] != default_reps else "") + flags)
+
+
+def markdown(runs) -> str:
+    """The results file: one section per run, in the order of their world sizes."""
+    lines = ["# Gradient compression: bytes, loss and time, measured", "",
+             "One section per run of `python benchmarks/compression_figures.py`, named by its key under \"runs\" in "
+             "compression_figures.json: `<G>ranks`. A run replaces the section with its key and keeps the others."]
+    for key in sorted(runs, key=lambda k: runs[k]["options"]["world_size"]):
+        lines += [""] + section(key, runs[key])
+    return "\n".join(lines) + "\n"
+
+
+def section(key, result) -> list:
     o, m = result["options"], result["machine"]
     lines = [
-        f"# Gradient compression on {o['world_size']} ranks: bytes, loss and time, measured",
+        f"## {key}: gradient compression on {o['world_size']} ranks",
         "",
-        f"`python benchmarks/compression_figures.py --world-size {o['world_size']} --network '{o.get('network') or 'none'}'` — toy.make_mlp(hidden={o['hidden']}, "
+        f"`{command(o)}` — toy.make_mlp(hidden={o['hidden']}, "
         f"depth={o['depth']}), {result['parameters']:,} parameters, 600 spiral points, SGD (lr {o['lr']}, momentum 0.9), "
         f"batch {o['batch']} per rank, {o['steps']} steps, {o['seeds']} data seeds; PowerSGD approximation rank ρ = {o['rank']} compressing from step 3 (start_powerSGD_iter=2), "
         f"top-k density {o['density']}. Machine: {m['cpus']} CPUs, torch {m['torch']}, {m['date']}. Load average before: "
@@ -297,7 +321,7 @@ def markdown(result) -> str:
                   f"{a['max_param_gap']:.2e}, largest loss gap {a['max_loss_gap']:.2e}.", ""]
     clock = (f"the modeled clock of {result['network']}" if o.get("network") else "this machine's clock (slowest rank)")
     for hidden, block in result["times"].items():
-        lines += [f"## Time per step (ms), toy.make_mlp(hidden={hidden}, depth={o['depth']}): {block['parameters']:,} "
+        lines += [f"### Time per step (ms), toy.make_mlp(hidden={hidden}, depth={o['depth']}): {block['parameters']:,} "
                   f"parameters, on {clock}", ""]
         if o.get("network"):
             lines += [f"{o['reps']} repetitions of {TIME_STEPS} steps; the time of step {TIME_STEPS} (how much later the "
@@ -314,29 +338,45 @@ def markdown(result) -> str:
                 lines.append(f"| {name} | {1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) | "
                              f"{t['ratio_to_none']:.2f} |")
         lines.append("")
-    return "\n".join(lines)
+    while lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def write(key, result, out) -> None:
+    """This run into OUT.json (under "runs", its key) and OUT.md, beside the runs already there with other keys."""
+    json_path, md_path = pathlib.Path(f"{out}.json"), pathlib.Path(f"{out}.md")
+    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else {}
+    runs[key] = result
+    runs = {k: runs[k] for k in sorted(runs, key=lambda k: runs[k]["options"]["world_size"])}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    md_path.write_text(markdown(runs))
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    parser.add_argument("--seeds", type=int, default=DEFAULTS["seeds"])
     parser.add_argument("--network", default="1GbE",
                         help="the modeled link the steps are timed on (a preset, or 'BANDWIDTH, LATENCY'); "
                              "'none': this machine's clock")
-    parser.add_argument("--time-hidden", default="128,512", help="widths of the models timed, comma-separated")
+    parser.add_argument("--time-hidden", default=",".join(map(str, DEFAULTS["time_hidden"])),
+                        help="widths of the models timed, comma-separated")
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions of the timing (default 2 on the modeled clock, 9 on this machine's)")
-    parser.add_argument("--time-steps", type=int, default=4)
-    parser.add_argument("--ddp-steps", type=int, default=60)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--rank", type=int, default=2)
-    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--time-steps", type=int, default=DEFAULTS["time_steps"])
+    parser.add_argument("--ddp-steps", type=int, default=DEFAULTS["ddp_steps"])
+    parser.add_argument("--hidden", type=int, default=DEFAULTS["hidden"])
+    parser.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--rank", type=int, default=DEFAULTS["rank"])
+    parser.add_argument("--density", type=float, default=DEFAULTS["density"])
     parser.add_argument("--note", default="")
+    parser.add_argument("--out", default=None,
+                        help="the results' stem (default benchmarks/results/compression_figures)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     network = None if args.network.strip().lower() == "none" else Network.parse(args.network)
@@ -357,13 +397,12 @@ def main(argv=None) -> dict:
               "load_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.perf_counter() - started, 1),
               "network": None if network is None else network.describe(),
               **analyse(per_rank, options), "times": analyse_times(times_per_rank, options)}
-    print(markdown(result))
+    key = f"{args.world_size}ranks"
+    print("\n".join(section(key, result)))
     if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        stem = RESULTS / f"compression_figures_{args.world_size}ranks"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(markdown(result))
-        print(f"wrote {stem}.json and .md")
+        out = args.out or str(RESULTS / "compression_figures")
+        write(key, result, out)
+        print(f"wrote {key} into {out}.json and .md")
     return result
 
 

@@ -34,9 +34,10 @@ communication use different hardware, the same in every repetition. On the model
 as the time from one step's end to the next on the slowest rank (the ranks leave the broadcast of the
 initial parameters at different moments, so one rank's own step total includes waiting for the others).
 
-Writes benchmarks/results/overlap_figures_<G>ranks[_network][_compute].json (every number, the machine, the load average
-before and after) and overlap_figures_<G>ranks.md (a short table). Not a test: the figures depend on the machine and
-on what else runs on it.
+Writes benchmarks/results/overlap_figures.{json,md} (or --out STEM): one run per key, `<G>ranks[_network][_compute]`
+(with --network, --compute-ms), under "runs" in the JSON (every number, the machine, the load average before and after)
+and a section of the .md (a short table); a run replaces the one with its key and keeps the others. Not a test: the
+figures depend on the machine and on what else runs on it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ VARIANTS = {
     "buckets, after": {"overlap": False},
     "buckets, overlap": {"overlap": True},
 }
+DEFAULTS = {"reps": 11, "steps": 8, "width": 1024, "depth": 4, "input_width": None, "batch": 128, "bucket_mb": 4.0,
+            "allreduce": "ring", "network": None, "compute_ms": None}   # main's: a section's command names the others
 
 
 def make_model(width: int, depth: int, classes: int = 10, seed: int = 0, input_width: int | None = None) -> nn.Sequential:
@@ -167,23 +170,59 @@ def analyse(per_rank: list, options: dict) -> dict:
     return {"variants": figures, "paired_ratios": paired, "overlap_bound": bound}
 
 
-def write(result: dict) -> tuple[pathlib.Path, pathlib.Path]:
-    RESULTS.mkdir(exist_ok=True)
-    stem = (f"overlap_figures_{result['options']['world_size']}ranks" + ("_network" if result["options"].get("network") else "")
-            + ("_compute" if result["options"].get("compute_ms") else ""))
-    json_path, md_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    md_path.write_text(markdown(result))
+def key_of(options: dict) -> str:
+    """A run's key in the results: `<G>ranks`, `_network` with --network, `_compute` with --compute-ms."""
+    return (f"{options['world_size']}ranks" + ("_network" if options.get("network") else "")
+            + ("_compute" if options.get("compute_ms") else ""))
+
+
+def write(result: dict, out: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """This run into OUT.json (under "runs", its key) and OUT.md, beside the runs already there with other keys
+    (OUT: benchmarks/results/overlap_figures unless given)."""
+    out = out or str(RESULTS / "overlap_figures")
+    json_path, md_path = pathlib.Path(f"{out}.json"), pathlib.Path(f"{out}.md")
+    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else {}
+    runs[key_of(result["options"])] = result
+    runs = {k: runs[k] for k in sorted(runs, key=lambda k: (runs[k]["options"]["world_size"], k))}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    md_path.write_text(markdown(runs))
     return json_path, md_path
 
 
-def markdown(result: dict) -> str:
+def command(o: dict) -> str:
+    """The command that makes a run of options `o` (--world-size, and every option that is not the default)."""
+    def value(name):
+        v = o.get(name)
+        if name == "compute_ms":
+            return ",".join(f"{x:g}" for x in v)
+        return f"'{v}'" if name == "network" else f"{v:g}" if isinstance(v, float) else str(v)
+
+    return (f"python benchmarks/overlap_figures.py --world-size {o['world_size']}"
+            + "".join(f" --{name.replace('_', '-')} {value(name)}" for name in DEFAULTS
+                      if o.get(name) != DEFAULTS[name]))
+
+
+def markdown(runs: dict) -> str:
+    """The results file: one section per run, in the order of their world sizes, then keys."""
+    lines = ["# Overlapping the gradient all-reduce with backward: measured", "",
+             "One section per run of `python benchmarks/overlap_figures.py`, named by its key under \"runs\" in "
+             "overlap_figures.json: `<G>ranks`, `_network` with --network (the modeled link), `_compute` with "
+             "--compute-ms (modeled compute). A run replaces the section with its key and keeps the others."]
+    for key in sorted(runs, key=lambda k: (runs[k]["options"]["world_size"], k)):
+        lines += [""] + section(key, runs[key])
+    return "\n".join(lines) + "\n"
+
+
+def section(key: str, result: dict) -> list:
     o, m = result["options"], result["machine"]
     ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
     lines = [
-        "# Overlapping the gradient all-reduce with backward: measured",
+        f"## {key}: {o['world_size']} ranks, "
+        + (f"modeled network {o['network']}" if o.get("network") else "this machine's clock")
+        + (", modeled compute" if o.get("compute_ms") else ""),
         "",
-        f"`python benchmarks/overlap_figures.py` — {o['world_size']} ranks (gloo), model {o['depth']} x "
+        f"`{command(o)}` — {o['world_size']} ranks (gloo), model {o['depth']} x "
         f"Linear({o['width']}, {o['width']})" + (f" (the first from {o['input_width']} inputs)" if o.get("input_width") else "")
         + f" + head = {result['parameters']:,} parameters "
         f"({result['gradient_mib']:.1f} MiB of gradient), batch {o['batch']} per rank, buckets of {o['bucket_mb']} MiB "
@@ -221,27 +260,28 @@ def markdown(result: dict) -> str:
                   f"- max(compute, communication) {ms(bound['max']['median'])} ms",
                   f"- buckets, overlap / max(compute, communication): {bound['overlap_over_max']['median']:.3f} "
                   f"({bound['overlap_over_max']['min']:.3f}..{bound['overlap_over_max']['max']:.3f})"]
-    lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=11)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--input-width", type=int, default=None,
+    parser.add_argument("--reps", type=int, default=DEFAULTS["reps"])
+    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    parser.add_argument("--width", type=int, default=DEFAULTS["width"])
+    parser.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    parser.add_argument("--input-width", type=int, default=DEFAULTS["input_width"],
                         help="features of the input (the first layer's in-width; default --width): a small first "
                              "layer makes the last bucket, the one backward finishes with, small")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--bucket-mb", type=float, default=4.0)
-    parser.add_argument("--allreduce", default="ring")
-    parser.add_argument("--network", default=None, help="a modeled link, e.g. '100 MB/s, 1 ms' (course_lib.network)")
-    parser.add_argument("--compute-ms", default=None,
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULTS["bucket_mb"])
+    parser.add_argument("--allreduce", default=DEFAULTS["allreduce"])
+    parser.add_argument("--network", default=DEFAULTS["network"],
+                        help="a modeled link, e.g. '100 MB/s, 1 ms' (course_lib.network)")
+    parser.add_argument("--compute-ms", default=DEFAULTS["compute_ms"],
                         help="modeled compute 'F,B': each layer with parameters takes F ms forward, B ms backward")
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
+    parser.add_argument("--out", default=None, help="the results' stem (default benchmarks/results/overlap_figures)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.reps < 9:
@@ -271,10 +311,10 @@ def main(argv=None) -> dict:
         **analyse(per_rank, options),
         "example_step_rank0": per_rank[0]["example_step"],
     }
-    print(markdown(result))
+    print("\n".join(section(key_of(options), result)))
     if not args.no_write:
-        paths = write(result)
-        print("written:", *paths)
+        paths = write(result, args.out)
+        print(f"written ({key_of(options)}):", *paths)
     return result
 
 

@@ -38,8 +38,10 @@ and what it buys, an all-gather hidden behind compute, has nothing to hide behin
 compute is free. --network none times on this machine's clock instead (the old behaviour: at least 9
 repetitions of --steps + 1 steps, the first dropped, argument checks off; noisy, load-dependent).
 
-Writes benchmarks/results/zero_figures_<G>ranks[_<tag>].json and .md (the load average is recorded before and
-after: it moves the memory and bytes run's wall time, never the modeled times).
+Writes benchmarks/results/zero_figures.{json,md} (or --out STEM): one run per key, `<G>ranks` or `<G>ranks_<tag>`
+with --tag, each under "runs" in the JSON and a section of the .md; a run replaces the one with its key and keeps the
+others (the load average is recorded before and after: it moves the memory and bytes run's wall time, never the
+modeled times).
 """
 
 from __future__ import annotations
@@ -198,20 +200,47 @@ def analyse(per_rank, times_per_rank, options):
             "ratios_to_plain": ratios}
 
 
-def markdown(result) -> str:
+def key_of(world_size, tag="") -> str:
+    """A run's key in the results: `<G>ranks`, `<G>ranks_<tag>` with --tag."""
+    return f"{world_size}ranks" + (f"_{tag}" if tag else "")
+
+
+def command(key, o) -> str:
+    """The command that makes the run under `key` (--reps, --steps and --batch where they are not the defaults)."""
+    tag = key.partition("ranks")[2].lstrip("_")
+    default_reps = 2 if o.get("network") else 11
+    return (f"python benchmarks/zero_figures.py --world-size {o['world_size']} "
+            f"--network '{o.get('network') or 'none'}' --hidden {o['hidden']} --depth {o['depth']}"
+            + (f" --reps {o['reps']}" if o["reps"] != default_reps else "")
+            + (f" --steps {o['steps']}" if o["steps"] != 3 else "")
+            + (f" --batch {o['batch']}" if o["batch"] != 16 else "")
+            + (f" --tag {tag}" if tag else ""))
+
+
+def markdown(runs) -> str:
+    """The results file: one section per run, in the order of their world sizes, then keys."""
+    lines = ["# ZeRO stages: memory, bytes and time per step, measured", "",
+             "One section per run of `python benchmarks/zero_figures.py`, named by its key under \"runs\" in "
+             "zero_figures.json: `<G>ranks`, `<G>ranks_<tag>` for `--tag <tag>` (`512wide`: toy.make_mlp(hidden=512, "
+             "depth=2)). A run replaces the section with its key and keeps the others."]
+    for key in sorted(runs, key=lambda k: (runs[k]["options"]["world_size"], k)):
+        lines += [""] + section(key, runs[key])
+    return "\n".join(lines) + "\n"
+
+
+def section(key, result) -> list:
     o, m = result["options"], result["machine"]
     kib = lambda b: f"{b / 1024:.1f}"  # noqa: E731
     lines = [
-        f"# ZeRO stages on {o['world_size']} ranks: memory, bytes and time per step, measured",
+        f"## {key}: ZeRO stages on {o['world_size']} ranks, toy.make_mlp(hidden={o['hidden']}, depth={o['depth']})",
         "",
-        f"`python benchmarks/zero_figures.py --world-size {o['world_size']} --network '{o.get('network') or 'none'}' "
-        f"--hidden {o['hidden']} --depth {o['depth']}` — toy.make_mlp(hidden={o['hidden']}, "
+        f"`{command(key, o)}` — toy.make_mlp(hidden={o['hidden']}, "
         f"depth={o['depth']}): {result['parameters']:,} parameters in layers of {result['layers']}; Adam, float32; "
         f"batch {o['batch']} per rank. Machine: {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, "
         f"{m['date']}. Load average (1, 5, 15 min) before: {result['load_before']}, after: {result['load_after']}"
         + (f". Note: {o['note']}" if o.get("note") else "") + ".",
         "",
-        "## Memory per rank (KiB), rank 0, measured by the census",
+        "### Memory per rank (KiB), rank 0, measured by the census",
         "",
         "When the optimizer steps (what the Playbook's formula counts) and at the peak of the step; the formula is "
         "4 + 4 + 8 bytes a parameter, each divided by G where the stage shards it. Every rank's census equals "
@@ -231,13 +260,13 @@ def markdown(result) -> str:
                      f"{kib(r0['at_step']['optimizer'])} | {kib(f['params'])} / {kib(f['grads'])} / "
                      f"{kib(f['optimizer'])} | {ratio} (every rank within {100 * worst:.1f}%) | "
                      f"{kib(r0['peak']['params'])} | {kib(r0['peak']['grads'])} | {kib(r0['peak_total'])} |")
-    lines += ["", "## Bytes sent per step, rank 0 (every rank: recording == formula?)", "",
+    lines += ["", "### Bytes sent per step, rank 0 (every rank: recording == formula?)", "",
               "| variant | bytes per step | equals `expected_bytes_sent` on every rank |", "| --- | --- | --- |"]
     for name, row in result["bytes"].items():
         equal = {True: "yes", False: "NO"}.get(row.get("equal"), "-")
         lines.append(f"| {name} | {row['sent'][0]:,} | {equal} |")
     if o.get("network"):
-        lines += ["", f"## Time per step (ms) on the modeled clock: {result['network']}",
+        lines += ["", f"### Time per step (ms) on the modeled clock: {result['network']}",
                   "", f"{o['reps']} repetitions of {o['steps']} steps, in a shuffled order; a step's time is how much "
                   "later the last rank finished the last step than the one before. Compute costs nothing on this "
                   "clock; the model is the sum of the step's collectives (the script's docstring). ZeRO-3 prefetch is "
@@ -250,15 +279,25 @@ def markdown(result) -> str:
             lines.append(f"| {name} | {1e3 * t['median']:.4f} ({1e3 * t['min']:.4f}..{1e3 * t['max']:.4f}) | "
                          f"{1e3 * t['model']:.4f} | {t['ratio_to_model']:.6f} | {ratio} |")
     else:
-        lines += ["", f"## Time per step (ms) on this machine's clock, slowest rank, {o['reps']} interleaved repetitions "
+        lines += ["", f"### Time per step (ms) on this machine's clock, slowest rank, {o['reps']} interleaved repetitions "
                   f"of {o['steps']} steps", "",
                   "| variant | median (min..max) | paired ratio to plain DP, median (min..max) |", "| --- | --- | --- |"]
         for name, t in result["times"].items():
             r = result["ratios_to_plain"].get(name)
             ratio = f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})" if r else "1"
             lines.append(f"| {name} | {1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}..{1e3 * t['max']:.1f}) | {ratio} |")
-    lines.append("")
-    return "\n".join(lines)
+    return lines
+
+
+def write(key, result, out) -> None:
+    """This run into OUT.json (under "runs", its key) and OUT.md, beside the runs already there with other keys."""
+    json_path, md_path = pathlib.Path(f"{out}.json"), pathlib.Path(f"{out}.md")
+    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else {}
+    runs[key] = result
+    runs = {k: runs[k] for k in sorted(runs, key=lambda k: (runs[k]["options"]["world_size"], k))}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    md_path.write_text(markdown(runs))
 
 
 def main(argv=None) -> dict:
@@ -274,7 +313,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
-    parser.add_argument("--tag", default="", help="appended to the results' file name: zero_figures_<G>ranks_<tag>")
+    parser.add_argument("--tag", default="", help="appended to the run's key in the results: <G>ranks_<tag>")
+    parser.add_argument("--out", default=None, help="the results' stem (default benchmarks/results/zero_figures)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     network = None if args.network.strip().lower() == "none" else Network.parse(args.network)
@@ -296,13 +336,12 @@ def main(argv=None) -> dict:
               "load_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.perf_counter() - started, 1),
               "network": None if network is None else network.describe(),
               **analyse(per_rank, times_per_rank, options)}
-    print(markdown(result))
+    key = key_of(args.world_size, args.tag)
+    print("\n".join(section(key, result)))
     if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        stem = RESULTS / (f"zero_figures_{args.world_size}ranks" + (f"_{args.tag}" if args.tag else ""))
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(markdown(result))
-        print(f"wrote {stem}.json and .md")
+        out = args.out or str(RESULTS / "zero_figures")
+        write(key, result, out)
+        print(f"wrote {key} into {out}.json and .md")
     return result
 
 
