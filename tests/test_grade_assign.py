@@ -200,13 +200,15 @@ def test_planning_is_linear_and_a_tangled_notebook_runs_every_cell():
         sources = [f"x{i} = {i}\ndef f{i}(t):\n    return t + x{i} + f{i - 1}(t)" + (f"\nf{i}(x{i})" if call else "")
                    for i in range(1, n)]
         return ["def f0(t):\n    return t"] + sources + [f"def ring(t):\n    return f{n - 1}(t)"]
-    timings = {}
-    for n in (500, 2000):
-        started = time.monotonic()
-        plan, why = cells.cells_to_run(chain(n, call=False), ["ring"])
-        timings[n] = time.monotonic() - started
-        assert why == "" and len(plan) == n + 1
-    assert timings[2000] < 12 * timings[500] + 0.5, timings            # linear: 4x the cells, not 16x the time
+    timings = {500: [], 2000: []}
+    for _ in range(3):      # interleaved, and the fastest of each: a load spike on a busy machine hits one run, not all
+        for n in timings:
+            started = time.monotonic()
+            plan, why = cells.cells_to_run(chain(n, call=False), ["ring"])
+            timings[n].append(time.monotonic() - started)
+            assert why == "" and len(plan) == n + 1
+    fastest = {n: min(times) for n, times in timings.items()}
+    assert fastest[2000] < 12 * fastest[500] + 0.5, timings            # linear: 4x the cells, not 16x the time
     started = time.monotonic()
     plan, why = cells.cells_to_run(chain(2000, call=True), ["ring"])
     assert why.startswith("every cell ran: its functions read each other too deeply") and len(plan) == 2001
