@@ -46,7 +46,6 @@ JSON (key `<G>ranks`) and a section of the .md; a run replaces the one with its 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import pathlib
@@ -60,6 +59,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import keyed_results  # benchmarks/keyed_results.py: the one results file, a run per key
 
 import course_lib
 from course_lib import bench, training
@@ -345,13 +346,7 @@ def section(key, result) -> list:
 
 def write(key, result, out) -> None:
     """This run into OUT.json (under "runs", its key) and OUT.md, beside the runs already there with other keys."""
-    json_path, md_path = pathlib.Path(f"{out}.json"), pathlib.Path(f"{out}.md")
-    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else {}
-    runs[key] = result
-    runs = {k: runs[k] for k in sorted(runs, key=lambda k: runs[k]["options"]["world_size"])}
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    md_path.write_text(markdown(runs))
+    keyed_results.write_run(out, key, result, markdown)
 
 
 def main(argv=None) -> dict:

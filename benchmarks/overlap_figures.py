@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import statistics
@@ -53,6 +52,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import keyed_results  # benchmarks/keyed_results.py: the one results file, a run per key
 
 import course_lib
 from course_lib import bench, training
@@ -180,14 +181,7 @@ def write(result: dict, out: str | None = None) -> tuple[pathlib.Path, pathlib.P
     """This run into OUT.json (under "runs", its key) and OUT.md, beside the runs already there with other keys
     (OUT: benchmarks/results/overlap_figures unless given)."""
     out = out or str(RESULTS / "overlap_figures")
-    json_path, md_path = pathlib.Path(f"{out}.json"), pathlib.Path(f"{out}.md")
-    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else {}
-    runs[key_of(result["options"])] = result
-    runs = {k: runs[k] for k in sorted(runs, key=lambda k: (runs[k]["options"]["world_size"], k))}
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    md_path.write_text(markdown(runs))
-    return json_path, md_path
+    return keyed_results.write_run(out, key_of(result["options"]), result, markdown)
 
 
 def command(o: dict) -> str:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import pathlib
@@ -58,6 +57,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+import keyed_results  # benchmarks/keyed_results.py: the one results file, a run per key
 
 import course_lib
 from course_lib import bench, training
@@ -291,13 +292,7 @@ def section(key, result) -> list:
 
 def write(key, result, out) -> None:
     """This run into OUT.json (under "runs", its key) and OUT.md, beside the runs already there with other keys."""
-    json_path, md_path = pathlib.Path(f"{out}.json"), pathlib.Path(f"{out}.md")
-    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else {}
-    runs[key] = result
-    runs = {k: runs[k] for k in sorted(runs, key=lambda k: (runs[k]["options"]["world_size"], k))}
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    md_path.write_text(markdown(runs))
+    keyed_results.write_run(out, key, result, markdown)
 
 
 def main(argv=None) -> dict:
