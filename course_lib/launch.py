@@ -156,6 +156,8 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
     clock = None
     try:
         torch.set_num_threads(threads)
+        if backend == BACKEND_NAME:    # importing course_lib's backend registers it with torch (a spawned rank
+            from course_lib import backend as _registers  # noqa: F401 - has imported nothing else that would)
         on_gloo = backend in ("gloo", BACKEND_NAME)
         if on_gloo:  # CPU ranks; NCCL's are left as torch starts them
             _schedule_as_batch()

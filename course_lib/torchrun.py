@@ -48,6 +48,7 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
     local_rank = int(os.environ["LOCAL_RANK"])
     if network is not None:
         backend = _modeled_backend(backend)
+        from course_lib import backend as _registers  # noqa: F401 - importing it registers course_lib's backend
     else:
         backend = resolve_backend(backend, world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if backend == "nccl":
