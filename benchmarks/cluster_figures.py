@@ -6,7 +6,7 @@
 
 1. **All-reduces** (the modeled clock, replayed): at 8, 64 and 128 GPUs, 8 KiB, 1 MiB and 64 MiB per rank, one
    InfiniBand port per GPU and one per node: a single ring in rank order (course_lib.allreduce.ring), torch's
-   dist.all_reduce (`simulation.collective_time`: what `course_lib.nccl` says NCCL runs, algorithm/protocol shown)
+   dist.all_reduce (`torch_collectives.collective_time`: what `course_lib.nccl` says NCCL runs, algorithm/protocol shown)
    and notebook 13's hierarchical all-reduce (tests/planted_bugs_hierarchical.hier_notebook, its schedule recorded
    with `hierarchical.record_schedule` and replayed), with each time's bus bandwidth.
 2. **Launches read the replays**: 64 and 128 ranks launched on the modeled cluster, the three all-reduces at 1 MiB
@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import course_lib  # noqa: E402
 import planted_bugs_hierarchical as pb  # noqa: E402
-from course_lib import allreduce, simulation, training  # noqa: E402
+from course_lib import allreduce, torch_collectives, training  # noqa: E402
 from course_lib.exercises import hierarchical  # noqa: E402
 from course_lib.network import Network  # noqa: E402
 from course_lib.simulation import replay  # noqa: E402
@@ -79,7 +79,7 @@ def allreduce_table(world_sizes):
             for n in SIZES:
                 flat = replay(hierarchical.record_schedule(allreduce.ring, G, n // 4), net).seconds
                 mine = replay(hierarchical.record_schedule(pb.hier_notebook, G, n // 4, K), net).seconds
-                theirs, algorithm = simulation.collective_time(net, "all_reduce", n, range(G), with_algorithm=True)
+                theirs, algorithm = torch_collectives.collective_time(net, "all_reduce", n, range(G), with_algorithm=True)
                 assert math.isclose(flat, net.predict("ring", n, G), rel_tol=1e-9)
                 assert math.isclose(mine, net.predict("hierarchical", n, G), rel_tol=1e-9)
                 rows.append({"G": G, "nics": nics, "bytes": n, "flat_ring": flat, "torch": theirs,
@@ -120,7 +120,7 @@ def launched_allreduces(world_sizes):
         for name in names:
             got = max(r[name] for r in per_rank)
             model = {"flat ring": lambda: net.predict("ring", MiB, G),
-                     "torch": lambda: simulation.collective_time(net, "all_reduce", MiB, range(G)),
+                     "torch": lambda: torch_collectives.collective_time(net, "all_reduce", MiB, range(G)),
                      "hierarchical": lambda: net.predict("hierarchical", MiB, G)}[name]()
             assert math.isclose(got, model, rel_tol=1e-9), (G, name, got, model)
             rows.append({"G": G, "name": name, "launched": got, "replayed": model, "wall_s": wall, "load": load()})
@@ -149,7 +149,7 @@ def _train(rank, world_size, samples):
 
 @functools.lru_cache(maxsize=None)
 def _bucket_seconds(G, nbytes):
-    return simulation.collective_time(cluster(G // K), "all_reduce", nbytes, range(G))
+    return torch_collectives.collective_time(cluster(G // K), "all_reduce", nbytes, range(G))
 
 
 def modeled_step(G, samples):

@@ -12,12 +12,8 @@
     check_torch()               one line if this PyTorch is older than the notebooks need (every setup cell)
 """
 
-from course_lib import allreduce, collectives, network, ops, p2p, traffic
+from course_lib import allreduce, collectives, ops, p2p, traffic
 from course_lib._checks import MismatchError, unchecked
-from course_lib.live import progress
-from course_lib.modeled_clock import clock, compute
-from course_lib.network import Cluster, Network
-from course_lib.versions import check_torch
 from course_lib.launch import (
     LaunchError,
     LaunchTimeoutError,
@@ -25,9 +21,34 @@ from course_lib.launch import (
     device,
     launch,
     resolve_backend,
-    run_torchrun,
     under_torchrun,
 )
+from course_lib.rank_clock import clock, compute
+from course_lib.versions import check_torch
+
+# Loaded on first use, so that `import course_lib` brings in only what a plain ring needs: the network model
+# (and its simulator), the live progress line, torchrun's entry point.
+_LAZY = {"network": ("course_lib.network", None), "Network": ("course_lib.network", "Network"),
+         "Cluster": ("course_lib.network", "Cluster"), "progress": ("course_lib.live", "progress"),
+         "run_torchrun": ("course_lib.torchrun", "run_torchrun")}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _LAZY[name]
+    value = importlib.import_module(module_name)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0.dev0"
 

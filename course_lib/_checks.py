@@ -27,8 +27,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate, _work
-from course_lib import modeled_clock as _clock
+from course_lib import _rankstate, _work, ops
+from course_lib import rank_clock as _clock
 
 __all__ = ["MismatchError", "agree", "prepare", "unchecked", "checking", "dtype_code", "metadata_device"]
 
@@ -237,8 +237,6 @@ def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "
         TypeError / ValueError / NotImplementedError on the rank whose own argument is wrong;
         MismatchError on every other rank (and on every rank when the ranks disagree with each other).
     """
-    from course_lib import ops  # ops is tiny and imports nothing of ours
-
     _work.drain()  # this call runs after the async collectives this rank queued before it
     problem = None
     try:

@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 
+from course_lib import torch_collectives
 from course_lib.simulation import ModeledDeadlock, SimulationError, Simulator, actor_rank, main_actor
 
 # One request: op, actor, request id, a, b, c, clock, x, length of what follows.
@@ -49,7 +50,7 @@ class Maestro:
 
     def __init__(self, network, world_size: int, path: str):
         self.network, self.world_size, self.path = network, world_size, path
-        self.sim = Simulator(network, world_size)
+        self.sim = Simulator(network, world_size, collective_cost=torch_collectives.collective_time)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(max(128, 4 * world_size))

@@ -17,8 +17,9 @@ raised comes out of `wait()`. How course_lib keeps that safe:
   That matters because gloo matches messages by (peer, tag) in FIFO order, and every course_lib
   algorithm sends with tag 0: two collectives running at once between the same ranks would read
   each other's messages.
-* **Checked like the caller asked.** A job runs with the argument check on or off as it was when it
-  was queued (`course_lib.unchecked()` is per thread), and without autograd, like torch's.
+* **Checked like the caller asked.** A job runs without autograd, like torch's; the caller wraps it so
+  that it runs with the argument check on or off as it was when it was queued
+  (`course_lib.unchecked()` is per thread; `collectives._start` does this).
 * **On a modeled clock** (`launch(..., network=)`) the worker has a clock of its own: a job starts no
   earlier than the caller's clock when it was queued, and `wait()` moves the caller's clock to the
   job's end (`course_lib.clock`: `now`, `catch_up`; a thread that waits says so with `idle`/`wake`).
@@ -42,7 +43,7 @@ import threading
 
 import torch
 
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 
 __all__ = ["Work", "submit", "drain", "finish", "pending"]
 
@@ -171,14 +172,13 @@ _last: Work | None = None                 # the newest submitted Work: when it i
 _unobserved: list = []                    # finished Works whose error nobody has looked at yet
 
 
-def submit(call: str, job, outputs: list, checked: bool) -> Work:
+def submit(call: str, job, outputs: list) -> Work:
     """Queue `job()` (a collective's body) to run on this rank's worker thread; return its Work.
 
     Args:
         call: the collective's name, for messages.
         job: a function of no arguments that runs the whole collective, checks included.
         outputs: the tensors it writes (what `Work.result()` returns).
-        checked: run the job with the cross-rank argument check on (`course_lib.unchecked()` off).
     """
     global _worker, _last
     work = Work(call, outputs)
@@ -187,7 +187,7 @@ def submit(call: str, job, outputs: list, checked: bool) -> Work:
             _worker = threading.Thread(target=_run_jobs, args=(torch.get_num_threads(),),
                                        name="course_lib-async", daemon=True)
             _worker.start()
-        _queue.append((work, job, checked, _clock.now()))
+        _queue.append((work, job, _clock.now()))
         _last = work
         _clock.wake(_worker)
         _ready.notify()
@@ -232,17 +232,15 @@ def finish() -> None:
 
 def _run_jobs(threads: int) -> None:
     """The worker thread: run queued jobs one at a time, in the order they were submitted."""
-    from course_lib import _checks  # imported here: _checks imports this module
-
     torch.set_num_threads(threads)  # the rank's intra-op thread budget (the launcher's choice)
     while True:
         with _ready:
             _clock.idle(_ready, lambda: bool(_queue))
-            work, job, checked, queued_at = _queue[0]
+            work, job, queued_at = _queue[0]
         _clock.catch_up(queued_at)       # a job cannot start before it was queued
         exception = None
         try:
-            with _checks.checking(checked), torch.no_grad():
+            with torch.no_grad():
                 job()
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller's wait()
             exception = exc

@@ -21,17 +21,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, collectives, ops, p2p, traffic
+from course_lib import _checks, ops, p2p, traffic
+from course_lib._util import chunk_sizes
 from course_lib._util import flat_view as _flat
 
 __all__ = ["naive", "parameter_server", "ring", "ring_scatter_reduce", "ring_all_gather", "chunk_sizes",
-           "owned_chunk", "VARIANTS", "get"]
-
-
-def chunk_sizes(numel: int, world_size: int) -> list[int]:
-    """Sizes of the G chunks `torch.tensor_split` makes: the first numel % G chunks are one longer."""
-    base, extra = divmod(numel, world_size)
-    return [base + 1 if i < extra else base for i in range(world_size)]
+           "owned_chunk", "VARIANTS", "get"]  # noqa: F822 - VARIANTS loads on first use (module __getattr__)
 
 
 def owned_chunk(rank: int, world_size: int) -> int:
@@ -88,14 +83,29 @@ def naive(tensor: torch.Tensor, op=ops.SUM) -> None:
 def parameter_server(tensor: torch.Tensor, op=ops.SUM, root: int = 0) -> None:
     """All-reduce through one root (the seeds' master): everyone sends to `root`, which reduces and sends the result back.
 
-    Phase 'reduce': G-1 messages of N elements arrive at the root.
-    Phase 'broadcast': the root sends N elements to each of the G-1 others.
-    Total 2 (G-1) N elements, all of them through the root, which is why it does not scale.
+    Phase 'reduce': G-1 messages of N elements arrive at the root (notebook 02's flat reduce).
+    Phase 'broadcast': the root sends N elements to each of the G-1 others (its flat broadcast).
+    Total 2 (G-1) N elements, all of them through one root that does both phases one after the
+    other: with one unsharded root its link is the bottleneck.
     """
     op = _prepare("allreduce.parameter_server", tensor, op, root=root)
-    with _checks.unchecked():  # agreed on once, under this function's name
-        collectives.reduce(tensor, dst=root, op=op)   # phase 'reduce': everyone -> root
-        collectives.broadcast(tensor, src=root)       # phase 'broadcast': root -> everyone
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    others = [r for r in range(world_size) if r != root]
+    with _flat(tensor) as flat:
+        with traffic.phase("reduce"):                 # everyone -> root
+            if rank == root:
+                everyone = [flat.clone() if r == root else torch.empty_like(flat) for r in range(world_size)]
+                for src in others:
+                    p2p.recv(everyone[src], src)
+                ops.reduce_in_rank_order(flat, everyone, op)
+            else:
+                p2p.send(flat, root)
+        with traffic.phase("broadcast"):              # root -> everyone
+            if rank == root:
+                for request in [p2p.isend(flat, dst) for dst in others]:
+                    request.wait()
+            else:
+                p2p.recv(flat, root)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,20 +215,30 @@ def ring(tensor: torch.Tensor, op=ops.SUM) -> None:
         ring_all_gather(tensor)
 
 
-VARIANTS = {"naive": naive, "parameter_server": parameter_server, "master": parameter_server, "ring": ring}
+_LESSON = {"naive": naive, "parameter_server": parameter_server, "master": parameter_server, "ring": ring}
 
-# The faster variants live beside the ring, not in it (course_lib/fast_allreduce.py, notebook 11).
-# Imported here, at the end: fast_allreduce uses this module's chunk_sizes, which exists by now, and
-# VARIANTS then lists the course's order: the lesson's three first, then the faster ones.
-from course_lib import fast_allreduce as _fast  # noqa: E402
 
-VARIANTS.update(_fast.VARIANTS)
+def _variants() -> dict:
+    """Every variant by name: the lesson's three first, then the faster ones, which live beside the ring
+    (`course_lib.fast_allreduce`, notebook 11) and load on first use: a plain ring never needs them."""
+    table = globals().get("VARIANTS")
+    if table is None:
+        from course_lib import fast_allreduce
+
+        table = globals()["VARIANTS"] = {**_LESSON, **fast_allreduce.VARIANTS}
+    return table
+
+
+def __getattr__(name):
+    if name == "VARIANTS":
+        return _variants()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get(name: str):
     """The all-reduce function called `name`: 'naive', 'parameter_server' / 'master', 'ring', or one of
     course_lib.fast_allreduce's 'ring_pipelined', 'ring_bidirectional', 'halving_doubling', 'tree'."""
     try:
-        return VARIANTS[name]
+        return _variants()[name]
     except KeyError:
-        raise ValueError(f"unknown all-reduce variant {name!r}; choose one of {sorted(VARIANTS)}") from None
+        raise ValueError(f"unknown all-reduce variant {name!r}; choose one of {sorted(_variants())}") from None

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from course_lib._util import not_a_rank
+
 __all__ = ["NAME", "ProcessGroup", "Work", "Collective", "install", "remove", "layers", "active", "caller",
            "init_process_group", "recording"]
 
@@ -187,13 +189,6 @@ def _options(opts, kind: str):
     """torch's options object for a call made without one (a group's method called as ``group.allreduce([t])``)."""
     return opts if opts is not None else getattr(torch._C._distributed_c10d, kind)()
 
-
-
-def not_a_rank(name: str, peer, world_size: int) -> str | None:
-    """Why `peer` (the argument `name`: dst, src) is not a rank of a group of `world_size` ranks, or None when it is."""
-    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size:
-        return f"{name}={peer!r} is not a rank of this group; the ranks are 0..{world_size - 1} (world_size={world_size})."
-    return None
 
 
 class ProcessGroup(dist.ProcessGroup):

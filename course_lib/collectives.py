@@ -60,7 +60,13 @@ def _start(call, async_op, outputs, body, *args):
     entering no_grad costs about a microsecond on every call.)
     """
     if async_op:
-        return _work.submit(call, lambda: body(*args), outputs, checked=_checks.is_checking())
+        checked = _checks.is_checking()       # the worker runs it checked as the caller's thread is now
+
+        def job():
+            with _checks.checking(checked):
+                body(*args)
+
+        return _work.submit(call, job, outputs)
     if torch.is_grad_enabled() and _any_requires_grad(args):
         with torch.no_grad():
             body(*args)

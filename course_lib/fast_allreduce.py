@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _checks, ops, p2p, traffic
+from course_lib._util import chunk_sizes  # sizes of torch.tensor_split's parts
 from course_lib._util import flat_view as _flat
-from course_lib.allreduce import chunk_sizes  # sizes of torch.tensor_split's parts
 
 __all__ = ["ring_pipelined", "ring_bidirectional", "halving_doubling", "recursive_doubling", "tree", "SEGMENT_BYTES",
            "segments_per_chunk", "expected_traffic", "expected_steps", "VARIANTS"]

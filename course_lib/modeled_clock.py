@@ -1,17 +1,14 @@
-"""The clock a rank reads (`course_lib.clock()`): modeled time under a modeled network, this machine's otherwise.
+"""The modeled clock inside a rank: what `course_lib.clock()` reads under ``launch(fn, G, network=net)``.
 
-    t0 = course_lib.clock()
-    allreduce.ring(grad)
-    elapsed = course_lib.clock() - t0        # the link's time under launch(..., network=net)
-
-Under ``launch(fn, G, network=net)`` every thread of a rank that communicates keeps a modeled clock
-(`course_lib.simulation` says how it moves; `course_lib._maestro` runs the simulation in the launching
-process). Outside a modeled launch `clock()` is `time.perf_counter()` and `compute(s)` sleeps.
+A rank reads its clock through `course_lib.rank_clock` (`clock`, `compute`, `untimed`, ...), which imports
+nothing and asks this module's state only while a modeled launch is active. Under such a launch every thread
+of a rank that communicates keeps a modeled clock (`course_lib.simulation` says how it moves;
+`course_lib._maestro` runs the simulation in the launching process).
 
 What this module does inside a rank: it is a layer of the rank's process group (`course_lib.backend`, which
 a modeled launch initialises), so every call that reaches the network passes it: course_lib's p2p, a
 learner's raw ``dist.isend``, ``batch_isend_irecv``, ``dist.all_reduce`` and the other collectives (timed as
-the schedule NCCL would run, `simulation.collective_time`), and DistributedDataParallel's buckets. For each
+the schedule NCCL would run, `torch_collectives.collective_time`), and DistributedDataParallel's buckets. For each
 call it
 
 * tells the simulation in a small frame, and for a blocking one waits for its answer;
@@ -34,9 +31,6 @@ modeled clock back (the launch then times out, saying so).
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import queue
 import socket
 import struct
@@ -51,127 +45,26 @@ from course_lib import _maestro as wire
 from course_lib import backend
 from course_lib.simulation import ModeledDeadlock, SimulationError, main_actor
 
+from course_lib import rank_clock
+from course_lib.rank_clock import (active, catch_up, clock, compute, current_network, idle, now, reduction,
+                                   untimed, wake)
+
 __all__ = ["clock", "compute", "reduction", "now", "catch_up", "idle", "wake", "untimed", "active", "current_network",
            "last_launch", "LaunchStats", "ModeledDeadlock"]
 
-
-# --------------------------------------------------------------------------------------------------
-# Reading and moving the clock
-# --------------------------------------------------------------------------------------------------
+_local = rank_clock._local
 
 
-def clock() -> float:
-    """Seconds on this thread's clock: modeled time since the launch began under a modeled network,
-    `time.perf_counter()` otherwise (then only differences mean anything)."""
-    state = _state
-    if state is None:
-        return time.perf_counter()
-    return state.link().now()
-
-
-now = clock
-
-
-def compute(seconds: float) -> None:
-    """Spend `seconds` of compute: on the modeled clock it moves this thread's clock on (and costs no real
-    time); otherwise it sleeps, as a rank waiting for its accelerator would."""
-    if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0
-            and math.isfinite(seconds)):
-        raise ValueError(f"compute(seconds) takes a number of seconds >= 0, got {seconds!r}")
-    state = _state
-    if state is None:
-        if seconds > 0:
-            time.sleep(seconds)
-        return
-    link = state.link()
-    link.clock += seconds
-    if seconds > 0:
-        link.send(wire.CLOCK)
-
-
-def reduction(nbytes: int) -> None:
-    """A reduction of two `nbytes` tensors into one: free, unless the modeled network has a
-    `memory_bandwidth`, which then charges 3 nbytes / memory_bandwidth of compute (read two, write one),
-    as a GPU's reduction kernel is bound by its memory. Called by `ops.combine_`."""
-    state = _state
-    if state is None:
-        return
-    speed = getattr(state.network, "memory_bandwidth", None)
-    if speed:
-        compute(3 * nbytes / speed)
-
-
-def catch_up(moment: float) -> None:
-    """This thread's clock becomes at least `moment` (a time another thread read with `now()`): the work it
-    takes over could not start before then. A no-op outside a modeled launch."""
-    state = _state
-    if state is not None:
-        link = state.link()
-        if moment > link.clock:
-            link.clock = moment
-
-
-def active() -> bool:
-    """True inside a rank of a launch under a modeled network."""
-    return _state is not None
-
-
-def current_network():
-    """The `Network` (or `Cluster`) this rank's clock models, or None."""
-    return None if _state is None else _state.network
-
-
-@contextlib.contextmanager
-def untimed():
-    """torch.distributed collectives inside cost nothing on the modeled clock (the clocks only line up):
-    for course_lib's own bookkeeping, such as its cross-rank argument check, which is not part of the
-    algorithm being timed."""
-    previous = getattr(_local, "untimed", False)
-    _local.untimed = True
-    try:
-        yield
-    finally:
-        _local.untimed = previous
-
-
-def idle(condition: threading.Condition, predicate, timeout: float = 0.05) -> None:
-    """``condition.wait_for(predicate)`` for a thread that waits for another thread of its rank.
-
-    Call it with `condition` held, as `wait_for`. Under a modeled clock the thread tells the simulation
-    that it waits (so the simulation goes on without it) until the thread that makes `predicate` true
-    calls `wake(this thread)` with `condition` held. Afterwards the waiter calls `catch_up(t)` with the time
-    the giver left with the work."""
-    state = _state
-    if state is None:
-        condition.wait_for(predicate)
-        return
-    link = state.link()
-    while not predicate():
-        if _state is not state:             # the rank left the modeled clock meanwhile
-            condition.wait_for(predicate)
-            return
-        link.send(wire.PARK, a=link.woken)
-        condition.wait(timeout)
-
-
-def wake(thread: threading.Thread | None) -> None:
-    """Tell the simulation that `thread` (of this rank) has work now, at this thread's clock. Call it with the
-    condition `thread` waits on (`idle`) held, after making its predicate true."""
-    state = _state
-    if state is None or thread is None:
-        return
-    target = state.link_for(thread)
-    with state.lock:
-        target.woken += 1
-        count = target.woken
-    state.link().send(wire.WAKE, a=target.id, c=count)
+def __getattr__(name):
+    if name == "_state":                  # the one copy lives in rank_clock, which activate() sets
+        return rank_clock._state
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------------
 # One thread's link to the simulation
 # --------------------------------------------------------------------------------------------------
 
-_local = threading.local()
 
 
 class _Link:
@@ -275,7 +168,7 @@ class _ThreadEnd:
 
     def __del__(self):
         link = self.link
-        if link.id == main_actor(link.state.rank) or link.closed or _state is not link.state:
+        if link.id == main_actor(link.state.rank) or link.closed or rank_clock._state is not link.state:
             return
         try:
             link.send(wire.DONE_ACTOR)
@@ -330,6 +223,37 @@ class _RankState:
                 link = self.links[thread] = _Link(self, actor, start.clock if start is not None else 0.0)
             return link
 
+    # what rank_clock's functions do on the modeled clock
+    def now(self) -> float:
+        return self.link().now()
+
+    def compute(self, seconds: float) -> None:
+        link = self.link()
+        link.clock += seconds
+        if seconds > 0:
+            link.send(wire.CLOCK)
+
+    def catch_up(self, moment: float) -> None:
+        link = self.link()
+        if moment > link.clock:
+            link.clock = moment
+
+    def idle(self, condition: threading.Condition, predicate, timeout: float) -> None:
+        link = self.link()
+        while not predicate():
+            if rank_clock._state is not self:      # the rank left the modeled clock meanwhile
+                condition.wait_for(predicate)
+                return
+            link.send(wire.PARK, a=link.woken)
+            condition.wait(timeout)
+
+    def wake(self, thread: threading.Thread) -> None:
+        target = self.link_for(thread)
+        with self.lock:
+            target.woken += 1
+            count = target.woken
+        self.link().send(wire.WAKE, a=target.id, c=count)
+
     def request_id(self) -> int:
         with self.lock:
             self.next_request += 1
@@ -383,8 +307,6 @@ def _wait_for_sends(unsent: queue.SimpleQueue) -> None:
         del work, _copy
 
 
-_state: _RankState | None = None
-
 
 # --------------------------------------------------------------------------------------------------
 # torch.distributed's calls, on the modeled clock: a layer of course_lib's backend
@@ -403,7 +325,7 @@ class _ModeledRequest(backend.Work):
     def wait(self, timeout=None) -> bool:
         if self._done:
             return True
-        state = _state
+        state = rank_clock._state
         detail = state.link().call(wire.WAIT, self._request)
         self._finish(state, detail, timeout)
         return True
@@ -418,7 +340,7 @@ class _ModeledRequest(backend.Work):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        state = _state
+        state = rank_clock._state
         if state is None:
             return False
         answer = state.link().call(wire.TEST, self._request, x=_POLL_SECONDS)
@@ -458,7 +380,7 @@ class _ModeledCollective(backend.Work):
     def modeled_wait(self) -> None:
         if not self._done:
             self._done = True
-            _state.link().call(wire.WAIT, self._request)
+            rank_clock._state.link().call(wire.WAIT, self._request)
 
     def wait(self, timeout=None) -> bool:
         self.modeled_wait()
@@ -466,7 +388,7 @@ class _ModeledCollective(backend.Work):
 
     def is_completed(self) -> bool:
         if not self._done:
-            if not _state.link().call(wire.TEST, self._request, x=_POLL_SECONDS):
+            if not rank_clock._state.link().call(wire.TEST, self._request, x=_POLL_SECONDS):
                 return False
             self._done = True
         return super().is_completed()
@@ -496,7 +418,7 @@ class _ClockLayer:
     """course_lib's backend layer that times every call (see the module docstring)."""
 
     def send(self, group, tensor, dst, tag, proceed):
-        state = _state
+        state = rank_clock._state
         copy = tensor.detach().clone()        # the modeled send may end before torch has read the tensor
         work = proceed(copy, dst, tag)
         state.keep_send(work, copy)
@@ -506,7 +428,7 @@ class _ClockLayer:
         return _ModeledRequest(request, "send", group)
 
     def recv(self, group, tensor, src, tag, proceed):
-        state = _state
+        state = rank_clock._state
         request = state.request_id()
         with state.posting:
             state.receives[request] = _Receive(tensor, group, tag, proceed)
@@ -515,7 +437,7 @@ class _ClockLayer:
         return _ModeledRequest(request, "recv", group)
 
     def collective(self, group, call, proceed):
-        state = _state
+        state = rank_clock._state
         timed = not getattr(_local, "untimed", False)
         request = state.request_id()
         payload = (f"{call.kind}:{call.element_size}" if timed else "sync").encode().ljust(24, b"\0") + \
@@ -532,7 +454,7 @@ class _ClockLayer:
         # Making a group connects its members for real: on the modeled clock a collective of its members that costs
         # nothing, so no member's clock waits for one still on its way. Only the members take part: with
         # use_local_synchronization=True torch calls this on them alone (ranks: global ranks).
-        state = _state
+        state = rank_clock._state
         members = tuple(sorted(ranks))
         if state.rank in members:
             code = -2 - zlib.crc32(repr(members).encode())        # one sequence per member set, the same on each
@@ -550,22 +472,20 @@ _LAYER = _ClockLayer()
 def activate(network, path: str, rank: int, world_size: int) -> None:
     """Put this rank on the modeled clock (called on every rank, after the process group exists): the clock
     becomes a layer of the rank's process group, which must be course_lib's (`course_lib.backend`)."""
-    global _state
-    if _state is not None:
+    if rank_clock._state is not None:
         raise RuntimeError("a modeled network is already active in this process")
     if not backend.active():
         raise RuntimeError("the modeled clock times calls through course_lib's torch.distributed backend: initialise "
                            "the process group with backend 'course_lib' (launch(..., network=) does)")
     state = _RankState(network, path, rank, world_size)
-    _state = state
+    rank_clock._state = state
     state.link()._connect()
     backend.install(_LAYER)
 
 
 def deactivate() -> None:
     """Take this rank off the modeled clock: tell the simulation it is done, remove the clock's layer."""
-    global _state
-    state = _state
+    state = rank_clock._state
     if state is None:
         return
     try:
@@ -576,7 +496,7 @@ def deactivate() -> None:
     backend.remove(_LAYER)
     for link in list(state.links.values()):
         link.close()
-    _state = None
+    rank_clock._state = None
     _local.__dict__.clear()
 # --------------------------------------------------------------------------------------------------
 # After a launch
@@ -614,13 +534,3 @@ def record_launch(network, maestro) -> LaunchStats:
 
 def last_launch() -> LaunchStats | None:
     return _last
-
-
-def _forget_after_fork() -> None:
-    global _state
-    _state = None
-    _local.__dict__.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -60,6 +60,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from course_lib import simulation
+
 __all__ = ["Topology", "Option", "Choice", "tune", "collective", "choose", "tuning_table", "ALGORITHMS", "PROTOCOLS",
            "bus_bandwidth", "algorithm_bandwidth", "BUSBW_FACTORS"]
 
@@ -480,7 +482,7 @@ def collective(network, function: str, nbytes: int, members, root: int = 0, elem
     """What NCCL runs for `function` on `nbytes` over the global ranks `members` of `network`, and its time.
 
     `nbytes`: the tensor's bytes for all_reduce, broadcast and reduce; the whole buffer (G pieces) for all_gather and
-    reduce_scatter, as `simulation.collective_time` takes them. `root`: the root's place in `members`.
+    reduce_scatter, as `torch_collectives.collective_time` takes them. `root`: the root's place in `members`.
     """
     members = tuple(members)
     key = (network, function, int(nbytes), members, root, element_size, os.environ.get("NCCL_ALGO"),
@@ -594,8 +596,6 @@ def _protocol_share(topo, function, algo, proto) -> float:
 
 def _run(network, topo, members, function, option, nbytes, channels, root, element_size) -> float:
     """Seconds: the fixed cost per call plus the replay of the chosen algorithm's messages."""
-    from course_lib import simulation
-
     algo, proto = option.algorithm, option.protocol
     p = PROTOCOLS.index(proto)
     fixed = BASE_LATENCY[algo][p] * 1e-6

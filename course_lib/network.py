@@ -21,7 +21,7 @@ a link far faster than this machine (NVLink at 450 GB/s) is as easy to model as 
 Every `course_lib.p2p` call and torch.distributed's own ``send`` / ``recv`` / ``isend`` / ``irecv``
 (and ``batch_isend_irecv`` on gloo, made of them) are modeled; torch.distributed's built-in collectives
 (``all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``, ...) take the time of the schedule
-NCCL would run for them (`simulation.collective_time`), so your all-reduce can race torch's.
+NCCL would run for them (`torch_collectives.collective_time`), so your all-reduce can race torch's.
 
 The model
 ---------
@@ -70,7 +70,7 @@ instead, which is exactly what a launch reads. The latency a is paid once per
 message *in flight*, not once per message sent: messages that leave one after another overlap their
 latencies (the naive exchange pays one a, not G-1), unlike the course's step-count model in
 `course_lib.cost`, where alpha stands for the software cost of a step, which cannot overlap. On a
-cluster, `predict` simulates the schedule (`simulation.schedule`) with the cluster's links.
+cluster, `predict` simulates the schedule (`schedules.schedule`) with the cluster's links.
 
 What it leaves out: congestion inside the switch or fabric (it is non-blocking: only the ranks' own
 sides queue), TCP (slow start, acknowledgements, retransmission, window limits), the NIC's own work and
@@ -306,9 +306,13 @@ class Network:
         """Seconds for one message of `nbytes` on an idle link: latency + nbytes / bandwidth."""
         return self.latency + nbytes / self.bandwidth
 
-    def predict(self, algorithm: str, nbytes: int, world_size: int, element_size: int = 4,
+    def predict(self, algorithm, nbytes: int, world_size: int, element_size: int = 4,
                 segment_bytes: int | None = None) -> float:
         """The model's seconds for one all-reduce of `nbytes` per rank on `world_size` ranks.
+
+        `algorithm` is a name, or the all-reduce function itself (``allreduce.ring``, or your own
+        ``fn(tensor)``): a function's messages are read from its code (`course_lib.recording`) and
+        simulated, so a variant of your own is predicted exactly as a launch on this network would time it.
 
         Exactly the time a launch on this network reads for the course's implementation: the ring, the
         naive exchange and the parameter server by their formulas (the module docstring's, with the exact,
@@ -329,14 +333,16 @@ class Network:
         g, a, b = world_size, self.latency, self.bandwidth
         if g < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if callable(algorithm):
+            return _recorded(self, algorithm, int(nbytes), g, element_size)
         if algorithm not in _PREDICTED:
             raise ValueError(f"no prediction for {algorithm!r}: known {', '.join(repr(name) for name in _PREDICTED)}")
         if g == 1:
             return 0.0
         if algorithm in ("builtin", "nccl"):     # torch's all_reduce on the modeled clock: NCCL's choice
-            from course_lib import simulation
+            from course_lib import torch_collectives
 
-            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
+            return torch_collectives.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
         numel = nbytes // element_size
         chunk = -(-numel // g) * element_size  # the largest of torch.tensor_split's G chunks
         full = self.topology == "full"
@@ -376,6 +382,30 @@ class Network:
 _PREDICTED = ("ring", "ring_pipelined", "ring_bidirectional", "naive", "parameter_server", "master", "tree",
               "halving_doubling", "recursive_doubling", "builtin", "nccl")
 _simulated_cache: dict = {}
+_DTYPES = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}     # element_size -> the tensor recorded
+
+
+def _recorded(network, fn, nbytes, world_size, element_size=4) -> float:
+    """`fn`'s own messages (`recording.record_schedule`) replayed on `network` (cached, as `_simulated`)."""
+    import torch
+
+    from course_lib import recording, simulation
+
+    if element_size not in _DTYPES:
+        raise ValueError(f"element_size must be one of {sorted(_DTYPES)} bytes to record a function, got {element_size}")
+    if nbytes % element_size:
+        raise ValueError(f"nbytes={nbytes} is not a whole number of {element_size}-byte elements")
+    key = (network, fn, nbytes, world_size, element_size)
+    seconds = _simulated_cache.get(key)
+    if seconds is None:
+        if world_size == 1:
+            return 0.0
+        events = recording.record_schedule(fn, world_size, nbytes // element_size,
+                                           dtype=getattr(torch, _DTYPES[element_size]))
+        seconds = _simulated_cache[key] = simulation.replay(events, network).seconds
+        if len(_simulated_cache) > 4096:
+            _simulated_cache.clear()
+    return seconds
 
 
 def _simulated(network, algorithm, nbytes, world_size, element_size=4, segment_bytes=None, node_size=None) -> float:
@@ -589,32 +619,35 @@ class Cluster:
             return bandwidth, latency, ("intra",) + out_side, None if in_side is None else ("intra",) + in_side
         return self.inter.bandwidth, self.inter.latency, ("card_out", self.card(src)), ("card_in", self.card(dst))
 
-    def predict(self, algorithm: str, nbytes: int, world_size: int | None = None, element_size: int = 4,
+    def predict(self, algorithm, nbytes: int, world_size: int | None = None, element_size: int = 4,
                 segment_bytes: int | None = None) -> float:
         """The model's seconds for one all-reduce of `nbytes` per rank on the first `world_size` ranks (default:
         all), simulated with the cluster's links (`course_lib.schedules`): any algorithm `Network.predict`
         knows (the ring is one ring over every rank, in rank order, so it crosses between nodes), and
         'hierarchical' (reduce-scatter inside each node, a ring all-reduce of each shard across nodes on
-        its own rail, all-gather inside each node)."""
+        its own rail, all-gather inside each node). `algorithm` may be the function itself, as for
+        `Network.predict`."""
         g = self.world_size if world_size is None else world_size
         if not 1 <= g <= self.world_size:
             raise ValueError(f"world_size must be 1..{self.world_size} on {self.nodes} nodes of {self.per_node}, got {g}")
+        if callable(algorithm):
+            return _recorded(self, algorithm, int(nbytes), g, element_size)
         if algorithm not in _PREDICTED + ("hierarchical",):
             raise ValueError(f"no prediction for {algorithm!r}: known "
                              f"{', '.join(repr(name) for name in _PREDICTED + ('hierarchical',))}")
         if g == 1:
             return 0.0
         if algorithm in ("builtin", "nccl"):
-            from course_lib import simulation
+            from course_lib import torch_collectives
 
-            return simulation.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
+            return torch_collectives.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
         return _simulated(self, algorithm, int(nbytes), g, element_size, segment_bytes,
                           self.per_node if algorithm == "hierarchical" else None)
 
     def collective_time(self, kind: str, nbytes: int, members) -> float:
-        from course_lib import simulation
+        from course_lib import torch_collectives
 
-        return simulation.collective_time(self, kind, nbytes, members)
+        return torch_collectives.collective_time(self, kind, nbytes, members)
 
 
 
@@ -625,9 +658,9 @@ class Cluster:
 
 def current():
     """The network modeled in this rank (a `Network` or `Cluster`), or None (plain loopback)."""
-    from course_lib import modeled_clock as clock
+    from course_lib import rank_clock
 
-    return clock.current_network()
+    return rank_clock.current_network()
 
 
 def last_launch():

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from course_lib import rank_clock
+
 __all__ = ["SUM", "AVG", "PRODUCT", "MAX", "MIN", "OPS", "normalize", "check_dtype", "combine_", "finish_",
            "reduce_in_rank_order"]
 
@@ -74,10 +76,8 @@ def combine_(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> torc
     """accumulator <- accumulator (op) incoming, in place. AVG adds here and divides in `finish_`.
 
     On a modeled clock whose network has a `memory_bandwidth`, this costs the time a device bound by its
-    memory takes: read both, write one (`modeled_clock.reduction`)."""
-    from course_lib import modeled_clock   # imported here: the clock imports torch.distributed's patches
-
-    modeled_clock.reduction(accumulator.numel() * accumulator.element_size())
+    memory takes: read both, write one (`rank_clock.reduction`)."""
+    rank_clock.reduction(accumulator.numel() * accumulator.element_size())
     if op in (SUM, AVG):
         if accumulator.dtype == torch.bool:
             return accumulator.logical_or_(incoming)

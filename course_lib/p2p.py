@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate, backend, traffic
+from course_lib import _rankstate, traffic
+from course_lib._util import not_a_rank
 
 __all__ = ["send", "recv", "isend", "irecv", "Request"]
 
@@ -46,7 +47,7 @@ def _check(call: str, tensor, peer_name: str, peer, group, allow_any_source=Fals
         raise TypeError(f"{call} expects a torch.Tensor as `tensor`, got {type(tensor).__name__}. "
                         "Wrap your data first, e.g. torch.tensor(values).")
     rank, world_size = _world(group)
-    problem = None if peer is None and allow_any_source else backend.not_a_rank(peer_name, peer, world_size)
+    problem = None if peer is None and allow_any_source else not_a_rank(peer_name, peer, world_size)
     if problem is not None:
         raise ValueError(f"{call}: {problem}")
     if peer == rank:

@@ -14,7 +14,7 @@ is exactly the time a launch on that network reads.
 Chunks are cut as the implementations cut them: `torch.tensor_split` into G pieces (the first
 numel mod G one element longer), in whole elements of `element_size` bytes.
 
-Also here, for torch's built-in collectives on the modeled clock (`simulation.collective_time`): the ring
+Also here, for torch's built-in collectives on the modeled clock (`torch_collectives.collective_time`): the ring
 all-gather and reduce-scatter, a chain broadcast and reduce, a pairwise all-to-all, a direct gather and
 scatter; and for clusters, the hierarchical all-reduce (reduce-scatter inside a node, all-reduce across
 nodes on each rank's rail, all-gather inside the node).

@@ -13,8 +13,9 @@ Three users, one set of equations:
   real, and every call asks the simulator (in the launcher, `course_lib._maestro`) what time it is;
 * `replay(events_by_rank, network)`: a recorded schedule (the capstone of notebook 11 records the
   learner's sends and receives) timed without running it again;
-* `collective_time(...)`: torch.distributed's built-in collectives under a modeled launch take the time
-  of the schedule NCCL would run (`schedule`), simulated here on an idle network.
+* `course_lib.torch_collectives`: torch.distributed's built-in collectives under a modeled launch take the
+  time of the schedule NCCL would run, simulated here on an idle network (a launch's `Simulator` is given
+  its `collective_time` as `collective_cost`).
 
 The equations (docs/notation.md: B the route's bandwidth, a its latency, m the message's bytes):
 
@@ -53,19 +54,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
-import sys
 import textwrap
-import time
 from dataclasses import dataclass, field
 
-from course_lib.schedules import schedule
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep      # course_lib/
 
 __all__ = ["Simulator", "SimulationError", "ModeledDeadlock", "ScheduleError", "replay", "replay_threads", "Timing",
-           "schedule",
-           "collective_time", "COLLECTIVES", "RUNNING", "BLOCKED", "PARKED", "DONE"]
+           "RUNNING", "BLOCKED", "PARKED", "DONE"]
 
 RUNNING, BLOCKED, PARKED, DONE = "running", "blocked", "parked", "done"
 
@@ -152,8 +147,9 @@ class Simulator:
     returns the actors it woke as (actor id, request id, time, detail).
     """
 
-    def __init__(self, network, world_size: int):
+    def __init__(self, network, world_size: int, collective_cost=None):
         self.network, self.world_size = network, world_size
+        self.collective_cost = collective_cost   # (network, kind, nbytes, members, root, element_size) -> seconds
         self.actors: dict = {}
         self.requests: dict = {}
         self.free: dict = {}                 # a side of a link -> when it is free
@@ -299,9 +295,9 @@ class Simulator:
     def collective(self, actor_id: int, clock: float, request_id, group, members, seq: int, kind: str,
                    nbytes: int = 0, root: int | None = None, element_size: int = 1):
         """Enter a built-in collective (`seq`-th on `group`, over global ranks `members`); its request completes,
-        on every member, `collective_time` after it starts: when the last member has entered it and the group's
-        previous collective has ended (a communicator runs its collectives one after another, as NCCL runs them
-        in order on one stream). Kind 'sync' costs nothing and waits for nothing but the members."""
+        on every member, `collective_cost` after it starts (`torch_collectives.collective_time` in a launch):
+        when the last member has entered it and the group's previous collective has ended (a communicator runs
+        its collectives one after another, as NCCL runs them in order on one stream). Kind 'sync' costs nothing and waits for nothing but the members."""
         actor = self.sync_clock(actor_id, clock)
         members = tuple(members)
         if actor.rank not in members:
@@ -325,7 +321,9 @@ class Simulator:
             cost = 0.0
             if kind != "sync":
                 start = max(start, self.streams.get(group, 0.0))
-                cost = collective_time(self.network, kind, nbytes, members, root, element_size=element_size)
+                if self.collective_cost is None:
+                    raise SimulationError(f"this simulation has no model for built-in collectives ({kind})")
+                cost = self.collective_cost(self.network, kind, nbytes, members, root, element_size=element_size)
                 self.streams[group] = start + cost
             for _, _, _, other in entry.entries.values():
                 self._complete(other, start + cost)
@@ -699,115 +697,3 @@ def _listed(stuck, shown: int = 6, width: int = 110) -> str:
             part = f"ranks {', '.join(done[:8])}, ... ({len(done)} ranks in all) have finished"
         lines.append(part)
     return ":\n  " + "\n  ".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------
-# Built-in collectives: the schedule NCCL would run, timed on an idle network
-# --------------------------------------------------------------------------------------------------
-
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather",
-               "scatter", "barrier")
-
-
-# torch's built-in collectives that NCCL runs as collectives take what `course_lib.nccl` says NCCL would run (its
-# tuner's choice of algorithm and protocol, simulated message by message); the others NCCL builds from point-to-point
-# messages, timed here as those messages.
-_NCCL = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
-_SCHEDULES = {"all_to_all": "pairwise", "gather": "direct_gather", "scatter": "direct_scatter"}
-
-_cache: dict = {}
-
-
-PROGRESS_AFTER = 3.0     # seconds of simulation in a row of direct calls after which collective_time says how far it is
-_progress = {"calls": 0, "seconds": 0.0, "shown": 0.0, "last": 0.0}
-
-
-_OUTSIDE: dict = {}      # a code file's name -> whether it lies outside course_lib (asked on every collective)
-
-
-def _called_from_outside() -> bool:
-    """True when the caller of collective_time is not course_lib itself (a learner's loop, not a launch's clock)."""
-    frame = sys._getframe(2)
-    if frame is None:
-        return False
-    name = frame.f_code.co_filename
-    if name not in _OUTSIDE:
-        _OUTSIDE[name] = not os.path.abspath(name).startswith(_PACKAGE)
-    return _OUTSIDE[name]
-
-
-def _show_progress(kind, nbytes, group, started) -> None:
-    """A line on stderr every PROGRESS_AFTER seconds while direct calls keep simulating: a search over sizes on
-    256 ranks (a call each of several seconds) otherwise shows nothing for minutes."""
-    now = time.monotonic()
-    state = _progress
-    if started - state["last"] > 30:           # a new search
-        state.update(calls=0, seconds=0.0, shown=0.0)
-    state["calls"] += 1
-    state["seconds"] += now - started
-    state["last"] = now
-    if state["seconds"] >= PROGRESS_AFTER and state["seconds"] - state["shown"] >= PROGRESS_AFTER:
-        state["shown"] = state["seconds"]
-        print(f"collective_time: {state['calls']} call{'s' if state['calls'] > 1 else ''} so far, "
-              f"{state['seconds']:.0f} s of simulation (the last: {kind} of {nbytes:,} bytes on {group} ranks, "
-              f"{now - started:.1f} s; NCCL's choice is simulated message by message, and a call repeated with the "
-              "same arguments is cached)", file=sys.stderr, flush=True)
-
-
-def collective_time(network, kind: str, nbytes: int, members, root: int | None = None,
-                    with_algorithm: bool = False, element_size: int = 4):
-    """Seconds a built-in collective takes on an idle `network` over global ranks `members` (in group order).
-
-    See `_collective_time`. Called from outside course_lib (a notebook's own loop), a run of calls that simulates
-    for more than PROGRESS_AFTER seconds prints how far it is on stderr, every PROGRESS_AFTER seconds.
-    """
-    if not _called_from_outside():
-        return _collective_time(network, kind, nbytes, members, root, with_algorithm, element_size)
-    started = time.monotonic()
-    members = tuple(members)
-    try:
-        return _collective_time(network, kind, nbytes, members, root, with_algorithm, element_size)
-    finally:
-        _show_progress(kind, nbytes, len(members), started)
-
-
-def _collective_time(network, kind: str, nbytes: int, members, root: int | None = None,
-                     with_algorithm: bool = False, element_size: int = 4):
-    """Seconds a built-in collective takes on an idle `network` over global ranks `members` (in group order).
-
-    `nbytes`: the tensor's bytes for all_reduce, broadcast and reduce; the whole buffer (G pieces) for
-    all_gather, reduce_scatter, all_to_all, gather and scatter; pieces are cut in whole elements of `element_size`
-    bytes. A barrier costs nothing: the clocks only line up. all_reduce, broadcast, reduce, all_gather and
-    reduce_scatter take NCCL's choice (`course_lib.nccl.collective`); the others their point-to-point schedule.
-    With `with_algorithm=True`, returns (seconds, what ran: 'ring/LL128', 'nvls/Simple', 'pairwise', ...).
-    """
-    members = tuple(members)
-    if kind == "barrier" or len(members) <= 1:
-        return (0.0, "none") if with_algorithm else 0.0
-    if kind not in _NCCL and kind not in _SCHEDULES:
-        raise ValueError(f"no model for the collective {kind!r}; known: {', '.join(COLLECTIVES)}")
-    group_root = members.index(root) if root in members else 0
-    if kind in _NCCL:
-        from course_lib import nccl
-
-        choice = nccl.collective(network, kind, nbytes, members, root=group_root, element_size=element_size)
-        best = (choice.seconds, f"{choice.algorithm}/{choice.protocol}")
-    else:
-        key = (network, kind, int(nbytes), members, root, element_size)
-        best = _cache.get(key)
-        if best is None:
-            events = schedule(_SCHEDULES[kind], int(nbytes), len(members), root=group_root, element_size=element_size)
-            best = _cache[key] = (replay(events, _Placed(network, members)).seconds, _SCHEDULES[kind])
-            if len(_cache) > 4096:
-                _cache.clear()
-    return best if with_algorithm else best[0]
-
-
-class _Placed:
-    """A group's ranks 0..k-1 placed on the global ranks `members` of `network` (same links, same sides)."""
-
-    def __init__(self, network, members):
-        self.network, self.members = network, members
-
-    def route(self, src, dst):
-        return self.network.route(self.members[src], self.members[dst])

@@ -12,7 +12,7 @@ from torch.distributed import distributed_c10d
 from torch.utils.flop_counter import FlopCounterMode
 
 import course_lib
-from course_lib import backend, simulation
+from course_lib import backend, simulation, torch_collectives
 from course_lib.exercises.tracing import Tracer
 from course_lib.network import Network
 from course_lib.training.modeled_compute import flop_compute
@@ -83,7 +83,7 @@ def _every_route(rank, world_size, nbytes):
 def test_every_way_into_the_network_is_timed():
     net, nbytes, g = Network.preset("10GbE"), 1 << 20, 4
     members = tuple(range(g))
-    all_reduce = simulation.collective_time(net, "all_reduce", nbytes, members)
+    all_reduce = torch_collectives.collective_time(net, "all_reduce", nbytes, members)
     ring_step = net.latency + nbytes / net.bandwidth      # one message to the right neighbour, all at once
     for times in course_lib.launch(_every_route, g, args=(nbytes,), network=net):
         for name in ("dist.all_reduce", "ProcessGroup.allreduce", "functional all_reduce"):
@@ -128,8 +128,8 @@ def test_ddp_backward_takes_its_buckets_all_reduces_in_ddps_order_on_the_modeled
     parameters = sum(p.numel() for p in _mlp().parameters())
     assert sum(sizes) == 4 * parameters and len(sizes) == 2           # 2.1 MB of gradients in 1 MB buckets
     # DDP's first backward runs one bucket of everything; later ones its buckets, one after another on the group
-    assert backward[0] == pytest.approx(simulation.collective_time(net, "all_reduce", 4 * parameters, members), rel=1e-9)
-    in_order = sum(simulation.collective_time(net, "all_reduce", size, members) for size in sizes)
+    assert backward[0] == pytest.approx(torch_collectives.collective_time(net, "all_reduce", 4 * parameters, members), rel=1e-9)
+    in_order = sum(torch_collectives.collective_time(net, "all_reduce", size, members) for size in sizes)
     for rank_backward, _, _, _ in results:
         assert rank_backward[1] == pytest.approx(in_order, rel=0.02)
         assert rank_backward[2] == pytest.approx(rank_backward[1], rel=1e-9)
@@ -158,7 +158,7 @@ def test_ddp_with_flop_counted_compute_overlaps_its_buckets_with_backward():
         loss.backward()
     assert counted[1] == counter.get_total_flops() > 0
     compute = counter.get_total_flops() / peak
-    communication = sum(simulation.collective_time(net, "all_reduce", size, members) for size in sizes)
+    communication = sum(torch_collectives.collective_time(net, "all_reduce", size, members) for size in sizes)
     # overlapped: more than either alone, less than the two one after the other
     assert 0.5 < compute / communication < 2
     assert max(compute, communication) < backward[1] < 0.95 * (compute + communication)

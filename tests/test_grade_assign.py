@@ -27,7 +27,8 @@ import pytest
 
 from course_lib.exercises import registry
 from course_lib.grade import assign, batch, cells, cli, judge, results
-from course_lib.grade.notebook import MAX_CELLS, NotebookError, read_file, read_notebook
+from course_lib.grade.notebook import MAX_CELLS, NotebookError, read_file
+from course_lib.grade.reading import read_notebook
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

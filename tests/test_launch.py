@@ -164,7 +164,7 @@ def test_world_size_one_runs_in_one_process():
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_every_thread_of_a_gloo_rank_runs_under_sched_batch_and_the_launcher_keeps_its_policy(start_method):
-    """launch._schedule_as_batch: gloo's own threads (started by the process group) and a thread the rank's
+    """launch_platform._schedule_as_batch: gloo's own threads (started by the process group) and a thread the rank's
     function starts inherit the policy; the launching process (a learner's kernel) is left as it was."""
     import threading
 
@@ -228,7 +228,7 @@ def test_a_rank_that_aborts_is_blamed_even_when_its_partner_reports_first(tmp_pa
     # gloo's abort, as CI once met it: rank 1 writes its reason and dies by SIGABRT; rank 0's call fails because of
     # it, a moment later, and rank 0's exit is the one the launcher saw first. The report names rank 1: it wrote its
     # reason before rank 0 raised. (Made up from files, as the launcher finds them: the race itself is the OS's.)
-    launcher = sys.modules["course_lib.launch"]          # the module (course_lib.launch is also the function)
+    from course_lib import launch_diagnosis, launch_files
 
     class Ended:
         def __init__(self, exitcode):
@@ -237,19 +237,19 @@ def test_a_rank_that_aborts_is_blamed_even_when_its_partner_reports_first(tmp_pa
         def join(self, timeout=None):
             pass
 
-    files = [launcher._RankFiles(str(tmp_path), rank) for rank in (0, 1)]
+    files = [launch_files._RankFiles(str(tmp_path), rank) for rank in (0, 1)]
     pathlib.Path(files[1].stderr).write_text("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n")
     died = time.time() - 1.0
     os.utime(files[1].stderr, (died, died))
     with open(files[0].result, "wb") as f:
         pickle.dump(("error", "RuntimeError", "Connection reset by peer", "Traceback ...", died + 0.01), f)
-    error = launcher._failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=0)
+    error = launch_diagnosis.failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=0)
     assert error.rank == 1 and error.exitcode == -signal.SIGABRT, str(error)
     assert "Rank(s) [0] failed afterwards" in str(error) and "EnforceNotMet" in str(error)
     # A rank that wrote nothing keeps the old rule: first if its exit was seen first, else after every report.
     pathlib.Path(files[1].stderr).write_text("")
-    assert launcher._failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=0).rank == 0
-    assert launcher._failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=1).rank == 1
+    assert launch_diagnosis.failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=0).rank == 0
+    assert launch_diagnosis.failure_error([Ended(1), Ended(-signal.SIGABRT)], str(tmp_path), first_seen=1).rank == 1
 
 
 def test_a_rank_that_exits_without_an_exception_is_reported():
@@ -704,9 +704,10 @@ class TestWhatColabBrings:
     @pytest.fixture(autouse=True)
     def fresh_notices(self, monkeypatch):
         launch_module = sys.modules["course_lib.launch"]  # the module; course_lib.launch is the function
-        monkeypatch.setattr(launch_module, "_NOTICES_GIVEN", set())
+        platform = sys.modules["course_lib.launch_platform"]  # where launch chooses backend and start method
+        monkeypatch.setattr(platform, "_NOTICES_GIVEN", set())
         monkeypatch.setattr(launch_module, "_set_by_the_test", "a forked rank sees this", raising=False)
-        return launch_module
+        return platform
 
     def test_cuda_initialised_here_makes_launch_spawn_and_say_so_once(self, monkeypatch, capsys):
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # what a cell that used the GPU leaves

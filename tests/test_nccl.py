@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from course_lib import nccl, simulation
+from course_lib import nccl, simulation, torch_collectives
 from course_lib.network import Network
 
 MiB = 1 << 20
@@ -157,7 +157,7 @@ def test_all_gather_reduce_scatter_and_broadcast_run_as_ncclss_ring():
         bus, cards = nccl.bus_bandwidth(function, nbytes, g, choice.seconds), 8 * Network.preset("ib_ndr").bandwidth
         # every card carries its channel; a broadcast's chain of 16 hops fills its pipeline of 8 chunks slowly
         assert (0.3 if function in ("broadcast", "reduce") else 0.5) * cards < bus < 1.05 * cards, function
-    assert simulation.collective_time(cluster, "all_gather", nbytes, range(g), with_algorithm=True)[1] == "ring/Simple"
+    assert torch_collectives.collective_time(cluster, "all_gather", nbytes, range(g), with_algorithm=True)[1] == "ring/Simple"
 
 
 def test_the_nodes_symmetry_lets_one_node_or_one_gpu_stand_for_all_exactly():

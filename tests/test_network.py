@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import course_lib
-from course_lib import allreduce, bench, collectives, nccl, network, p2p, schedules, simulation, traffic
+from course_lib import allreduce, bench, collectives, nccl, network, p2p, schedules, simulation, torch_collectives, traffic
 from course_lib.network import Cluster, Network, parse_bandwidth, parse_latency
 from course_lib.simulation import ModeledDeadlock, Simulator
 
@@ -460,9 +460,9 @@ def test_async_collectives_overlap_compute_and_builtins_take_ncclss_schedule():
     members = tuple(range(4))
     # torch's collectives take what NCCL would run for them (`course_lib.nccl`), one after another on the group
     expected = {"all_reduce": nccl.collective(net, "all_reduce", nbytes, members).seconds,
-                "broadcast": simulation.collective_time(net, "broadcast", nbytes, members),
-                "all_gather": simulation.collective_time(net, "all_gather", 4 * nbytes, members),
-                "reduce_scatter": simulation.collective_time(net, "reduce_scatter", 4 * nbytes, members),
+                "broadcast": torch_collectives.collective_time(net, "broadcast", nbytes, members),
+                "all_gather": torch_collectives.collective_time(net, "all_gather", 4 * nbytes, members),
+                "reduce_scatter": torch_collectives.collective_time(net, "reduce_scatter", 4 * nbytes, members),
                 "barrier": 0.0, "async all_reduce": nccl.collective(net, "all_reduce", nbytes, members).seconds}
     assert net.predict("builtin", nbytes, 4) == pytest.approx(expected["all_reduce"], rel=EXACT)
     assert Network.preset("ib_ndr").predict("builtin", 4096, 8) < Network.preset("ib_ndr").predict("ring", 4096, 8)

@@ -111,14 +111,14 @@ def test_long_error_messages_are_wrapped_and_cut():
 
 
 def test_a_slow_search_over_sizes_shows_its_progress(capsys, monkeypatch):
-    from course_lib import simulation
+    from course_lib import torch_collectives
     from course_lib.network import Network
 
-    monkeypatch.setattr(simulation, "PROGRESS_AFTER", 0.0)
-    monkeypatch.setitem(simulation._progress, "last", 0.0)
+    monkeypatch.setattr(torch_collectives, "PROGRESS_AFTER", 0.0)
+    monkeypatch.setitem(torch_collectives._progress, "last", 0.0)
     net = Network.cluster(2, 4)
     for n in (4096, 8192, 16384):
-        simulation.collective_time(net, "all_reduce", n, range(8))
+        torch_collectives.collective_time(net, "all_reduce", n, range(8))
     err = capsys.readouterr().err
     assert "collective_time: 3 calls so far" in err and "on 8 ranks" in err, err
     net.predict("nccl", 32768, 8)                 # course_lib's own calls stay quiet

@@ -15,7 +15,7 @@ import pytest
 import planted_bugs as pb
 from rubric_checks import assert_named as _assert_named, check as _check, missed as _missed
 from course_lib import exercises
-from course_lib.exercises import registry, rubric
+from course_lib.exercises import registry, rubric_file
 from course_lib.exercises.questions import Slip
 from course_lib.exercises.report import Result
 from course_lib.viz import traffic_plots
@@ -128,8 +128,8 @@ def test_every_rubric_line_is_tested_by_the_hidden_cases():
 def test_the_defaults_are_documented_in_one_place():
     """docs/rubric.toml is what --rubric-defaults prints, and reads back as the registry's own points."""
     path = ROOT / "docs" / "rubric.toml"
-    assert path.read_text() == rubric.defaults_toml(), "run: python -m course_lib.grade --rubric-defaults > docs/rubric.toml"
-    weights = rubric.load_weights(path)
+    assert path.read_text() == rubric_file.defaults_toml(), "run: python -m course_lib.grade --rubric-defaults > docs/rubric.toml"
+    weights = rubric_file.load_weights(path)
     assert weights == {e.name: {line.key: float(line.points) for line in e.rubric} for e in registry.all_exercises(include_pending=True)}
 
 
@@ -144,8 +144,8 @@ def test_the_defaults_are_documented_in_one_place():
 def test_a_rubric_file_that_cannot_be_used_says_why(tmp_path, text, message):
     path = tmp_path / "rubric.toml"
     path.write_text(text)
-    with pytest.raises(rubric.RubricFileError, match=message):
-        rubric.load_weights(path)
+    with pytest.raises(rubric_file.RubricFileError, match=message):
+        rubric_file.load_weights(path)
 
 
 def test_a_json_rubric_file_reweights_the_result():
@@ -154,7 +154,7 @@ def test_a_json_rubric_file_reweights_the_result():
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"traffic_naive": {"per_rank": 3, "all_ranks": 1}}, f)
-    weights = rubric.load_weights(f.name)
+    weights = rubric_file.load_weights(f.name)
     slip = Result.of_question(registry.get("traffic_naive"), False, "one rank only", ("per_rank",),
                               weights["traffic_naive"])
     assert (slip.score, slip.max_score) == (3, 4)

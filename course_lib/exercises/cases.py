@@ -13,11 +13,41 @@ ones, and G // 2 in the hidden ones, so a solution that always uses rank 0 is ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from course_lib.exercises.registry import Case
 
-__all__ = ["standard_cases", "VISIBLE_SIZES", "HIDDEN_SIZES", "portable", "clone"]
+__all__ = ["Case", "standard_cases", "VISIBLE_SIZES", "HIDDEN_SIZES", "portable", "clone"]
+
+@dataclass(frozen=True)
+class Case:
+    """One run of a learner's function on `world_size` ranks.
+
+    Attributes:
+        world_size: G, the number of ranks.
+        numel: N, elements per rank.
+        data: 'tagged' (every value says which ranks and which chunk it came from, see
+            `course_lib.viz.tag`: exact, readable feedback) or 'random' (floats like a gradient,
+            compared with a tolerance for summation order).
+        seed: varies the random data.
+        root: src / root for rooted exercises, else None.
+        hidden: a case only the grader runs (``check(..., hidden=True)``).
+    """
+
+    world_size: int
+    numel: int
+    data: str = "tagged"
+    seed: int = 0
+    root: int | None = None
+    hidden: bool = False
+
+    def label(self, root_name: str = "root") -> str:
+        text = f"G={self.world_size}, N={self.numel}, {self.data}"
+        if self.root is not None:
+            text += f", {root_name}={self.root}"
+        return text
+
 
 VISIBLE_SIZES = (1, 2, 3, 4, 5, 8)
 HIDDEN_SIZES = (6, 7)

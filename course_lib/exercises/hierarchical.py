@@ -59,11 +59,12 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib import backend, viz
+from course_lib import viz
 from course_lib.exercises import data, feedback
 from course_lib.exercises.cases import clone
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
 from course_lib.exercises.rubric import SINGLE_RANK, Family, RubricLine
+from course_lib.recording import record_schedule  # noqa: F401 - notebook 13 calls it from here
 from course_lib.schedules import pieces
 
 __all__ = ["HierarchicalAllReduce", "Layout", "Expected", "Ring", "plan", "STYLES", "DEFAULT_STYLE", "positional_input",
@@ -855,92 +856,6 @@ def _missing_why(layout, rank, holds) -> str:
 # --------------------------------------------------------------------------------------------------
 # Recording a schedule without launching ranks
 # --------------------------------------------------------------------------------------------------
-
-
-class _Recorder:
-    """A layer of course_lib's backend that logs one rank's point-to-point calls in the form `simulation.replay`
-    reads; under `backend.recording` nothing moves (a receive leaves its buffer as it is)."""
-
-    def __init__(self):
-        self.events = []
-
-    def _log(self, op, tensor, peer, tag):
-        self.events.append((op, int(peer), tensor.numel() * tensor.element_size(), int(tag or 0)))
-        return len(self.events) - 1
-
-    def send(self, group, tensor, dst, tag, proceed):
-        called = backend.caller()
-        index = self._log("send" if called == "send" else "isend", tensor, group.global_ranks[dst], tag)
-        return _Logged(proceed(tensor, dst, tag), self, None if called == "send" else index)
-
-    def recv(self, group, tensor, src, tag, proceed):
-        if src is None:
-            raise RuntimeError("record_schedule: a receive from any source cannot be replayed: name the sender")
-        called = backend.caller()
-        index = self._log("recv" if called == "recv" else "irecv", tensor, group.global_ranks[src], tag)
-        return _Logged(proceed(tensor, src, tag), self, None if called == "recv" else index)
-
-
-class _Logged(backend.Work):
-    """What a recorded isend / irecv returns: its first wait() is logged as ('wait', index)."""
-
-    def __init__(self, under, recorder, index):
-        super().__init__(under)
-        self._recorder, self._index = recorder, index
-
-    def wait(self, timeout=None):
-        if self._index is not None:
-            self._recorder.events.append(("wait", self._index))
-            self._index = None
-        return True
-
-    def is_completed(self):
-        self.wait()
-        return True
-
-    def _source_rank(self):
-        return -1
-
-
-def record_schedule(fn, world_size: int, numel: int, *args, device: str = "meta") -> list:
-    """Every rank's point-to-point calls when `fn(tensor, *args)` runs on `world_size` ranks with `numel` float32
-    elements each, recorded in this process, rank after rank, without launching anything: each rank runs in a
-    process group of course_lib's backend that moves nothing (`course_lib.backend.recording`), whose layer logs
-    every send and receive. The tensors are torch's 'meta' tensors (a shape and no data: 64 MiB costs nothing),
-    or empty CPU tensors when the function mixes in CPU tensors of its own (it is then run again that way).
-
-    Returns the schedule in the form `simulation.replay(events_by_rank, network)` times. Only for functions whose
-    messages do not depend on the values they receive, as an all-reduce's do not; the values computed are
-    meaningless (a receive leaves its buffer untouched). A built-in collective, or a receive from any source,
-    raises RuntimeError.
-    """
-    from course_lib import p2p
-    from course_lib._checks import unchecked
-
-    refusal = "record_schedule times point-to-point messages only"
-    events_by_rank = []
-    for rank in range(world_size):
-        for where in ((device, "cpu") if device != "cpu" else ("cpu",)):
-            recorder = _Recorder()
-            cache = dict(p2p._world_cache)
-            try:
-                with backend.recording(rank, world_size, refusal), unchecked():
-                    p2p._world_cache.clear()
-                    backend.install(recorder, outermost=True)
-                    try:
-                        fn(torch.empty(numel, dtype=torch.float32, device=where), *args)
-                    finally:
-                        backend.remove(recorder)
-            except (RuntimeError, NotImplementedError) as exc:
-                if isinstance(exc, NotImplementedError) or where == "cpu" or "record_schedule" in str(exc):
-                    raise
-                continue          # a CPU tensor of the function's own met a meta one: once more on the CPU
-            finally:
-                p2p._world_cache.clear()
-                p2p._world_cache.update(cache)
-            events_by_rank.append(recorder.events)
-            break
-    return events_by_rank
 
 
 def draw_schedule(events_by_rank, node_size: int, title: str = "", ax=None):

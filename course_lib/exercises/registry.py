@@ -17,7 +17,8 @@ A function exercise is split along the line a grader must not cross (see docs/ar
     judge(case, records) the problems, each tagged        what it produced (only the keys named
                          with the rubric line it costs    in `observed`)
 
-Every exercise registers itself under its name when its module is imported; `get(name)` finds it.
+Every exercise registers itself under its name when its module is imported (`course_lib.exercises`
+imports them all, so any import of this module has them); `get(name)` finds it.
 A new exercise registers rubric lines the same way the course's do:
 
     register(MyExercise(name="tree_reduce", notebook="09_trees", points=10,
@@ -34,39 +35,11 @@ import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from course_lib.exercises.cases import Case, standard_cases
 from course_lib.exercises.rubric import RubricLine, single_line
 
 __all__ = ["Case", "Problem", "Exercise", "FunctionExercise", "RubricLine", "register", "get", "all_exercises",
            "is_pending", "PENDING_NOTEBOOKS"]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One run of a learner's function on `world_size` ranks.
-
-    Attributes:
-        world_size: G, the number of ranks.
-        numel: N, elements per rank.
-        data: 'tagged' (every value says which ranks and which chunk it came from, see
-            `course_lib.viz.tag`: exact, readable feedback) or 'random' (floats like a gradient,
-            compared with a tolerance for summation order).
-        seed: varies the random data.
-        root: src / root for rooted exercises, else None.
-        hidden: a case only the grader runs (``check(..., hidden=True)``).
-    """
-
-    world_size: int
-    numel: int
-    data: str = "tagged"
-    seed: int = 0
-    root: int | None = None
-    hidden: bool = False
-
-    def label(self, root_name: str = "root") -> str:
-        text = f"G={self.world_size}, N={self.numel}, {self.data}"
-        if self.root is not None:
-            text += f", {root_name}={self.root}"
-        return text
 
 
 @dataclass
@@ -179,7 +152,6 @@ class FunctionExercise(Exercise):
     def cases(self, hidden: bool = False) -> list[Case]:
         """The usual cases (world sizes, lengths, tagged and random data); exercises that need roots or
         other sizes override this."""
-        from course_lib.exercises.cases import standard_cases  # cases.py imports this module's Case
         return standard_cases(hidden)
 
     def inputs(self, case: Case) -> list:
@@ -216,7 +188,6 @@ def register(exercise: Exercise) -> Exercise:
 
 def get(name: str) -> Exercise:
     """The exercise called `name`; a clear error (with the closest names) if there is none."""
-    _load_all()
     if not isinstance(name, str):
         raise TypeError(f"exercise names are strings, got {type(name).__name__}: call check('ring', ring)")
     try:
@@ -236,7 +207,6 @@ PENDING_NOTEBOOKS: frozenset = frozenset()   # every notebook's exercises are pl
 def all_exercises(include_pending: bool = False) -> list[Exercise]:
     """Every exercise, in notebook order; with `include_pending`, also those whose notebook has no cells for them
     yet (`PENDING_NOTEBOOKS`)."""
-    _load_all()
     return sorted((e for e in _REGISTRY.values() if include_pending or e.notebook not in PENDING_NOTEBOOKS),
                   key=lambda e: (e.notebook, _ORDER.index(e.name) if e.name in _ORDER else 99))
 
@@ -253,9 +223,3 @@ _ORDER = ["pass_token", "batch_size_quiz", "batches_per_epoch", "batch_per_gpu",
           "ring_scatter_reduce", "ring_all_gather", "ring", "traffic_ring", "traffic_ring_per_rank",
           "ring_steps", "average_gradients", "straggler_staleness", "stable_step_size", "ring_hook",
           "fit_alpha_beta", "tree", "halving_doubling", "overlapped_buckets", "zero1_step", "beat_the_ring"]
-
-
-def _load_all() -> None:
-    # The exercise modules register themselves on import.
-    from course_lib.exercises import (allreduce_variants, basics, capstone, ddp_hook, fast_variants,  # noqa: F401
-                                      fitting, overlap_zero, questions, ring, stale_questions, training_step)

@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         argv = json.loads(os.environ.pop("COURSE_LIB_GRADE_ARGV"))
     parser = _parser()
     args = parser.parse_args(argv)
-    from course_lib.exercises.rubric import RubricFileError, defaults_toml, load_weights
+    from course_lib.exercises.rubric_file import RubricFileError, defaults_toml, load_weights
 
     if args.rubric_defaults:
         print(defaults_toml(), end="")

@@ -102,7 +102,7 @@ def build_autograder(zip_path, rubric=None, assignment: str | None = None) -> li
     """Write Gradescope's autograder zip to `zip_path`; returns the names of its files.
 
     Args:
-        rubric: a rubric file (TOML or JSON, `rubric.load_weights` checks it first) to grade with.
+        rubric: a rubric file (TOML or JSON, `rubric_file.load_weights` checks it first) to grade with.
         assignment: the assignment every submission is graded against (`assign.resolve_assignment` checks it).
 
     Example::
@@ -111,7 +111,7 @@ def build_autograder(zip_path, rubric=None, assignment: str | None = None) -> li
         ['setup.sh', 'run_autograder', 'requirements.txt', 'rubric.toml', 'course_lib_src/pyproject.toml', ...]
     """
     import course_lib
-    from course_lib.exercises.rubric import load_weights
+    from course_lib.exercises.rubric_file import load_weights
 
     if rubric is not None:
         load_weights(rubric)          # a broken file fails here, not on every submission

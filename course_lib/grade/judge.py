@@ -31,7 +31,8 @@ from fractions import Fraction
 from course_lib.exercises import QUESTION_NOT_DONE, registry, runner
 from course_lib.exercises.report import Result, format_points
 from course_lib.grade import assign, reading
-from course_lib.grade.notebook import NotebookError, code_cells, exercises_of_number, read_file, read_notebook
+from course_lib.grade.notebook import NotebookError, code_cells, exercises_of_number, read_file
+from course_lib.grade.reading import read_notebook
 from course_lib.grade.sandbox import (Limits, Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
                                       SandboxUser, choose_isolation, default_user, human, limit_words, release_users,
                                       running_as_root, sandbox_users, sweep_user)
@@ -479,7 +480,7 @@ def grade_notebook(path, *, user: SandboxUser | None = None, workroot=None, time
             without one, a user is taken for this notebook alone and swept after.
         workroot: where the sandbox's folder is made (a private temporary folder by default).
         timeout: seconds for the whole notebook; cell_timeout: seconds for one cell.
-        weights: {exercise: {line: points}} from a rubric file (`rubric.load_weights`).
+        weights: {exercise: {line: points}} from a rubric file (`rubric_file.load_weights`).
         case_timeout: seconds one case may run on the ranks (default `runner.CASE_TIMEOUT`).
         isolation: 'namespaces', 'users', 'none', or None / 'auto': the strongest this machine gives
             (`sandbox.choose_isolation`).

@@ -1,8 +1,8 @@
 """Reading a submitted notebook as data: its code cells and the exercises it has. Nothing in it is run here.
 
 The file is read as the JSON it is (nbformat 4, the format Jupyter has saved since 2015), with the standard
-library only: grading needs nothing the course's own install (requirements/base.txt) lacks. `read_notebook`
-refuses, with a message that says what to do:
+library only: grading needs nothing the course's own install (requirements/base.txt) lacks. `read_file` and
+`reading.read_notebook` refuse, with a message that says what to do:
 
 * what is not a plain file: a symbolic link (never followed: the grader is often root, and the link could point
   at another student's work or at a file only root may read), a device, a pipe, a socket ('refused');
@@ -21,7 +21,7 @@ import pathlib
 import re
 import stat
 
-__all__ = ["read_notebook", "parse_notebook", "read_file", "exercises_in", "exercises_of_number", "NotebookError", "CHECK_CALL",
+__all__ = ["parse_notebook", "read_file", "exercises_in", "exercises_of_number", "NotebookError", "CHECK_CALL",
            "code_cells", "MAX_NOTEBOOK_BYTES", "MAX_CELLS", "MAX_CODE_CHARS", "safe_name", "visible"]
 
 CHECK_CALL = re.compile(r"""exercises\s*\.\s*check\s*\(\s*["']([A-Za-z0-9_]+)["']""")
@@ -112,20 +112,6 @@ def read_file(path) -> bytes:
         os.close(fd)
 
 
-def read_notebook(path, data: bytes | None = None) -> dict:
-    """The notebook at `path` as {'cells': [{'cell_type', 'source', 'metadata'}, ...], 'metadata': {}}: each code
-    cell's source as a string (other cells' as ''), each cell's metadata only its nbgrader grade_id; or
-    NotebookError saying why it cannot be graded (see the module's docstring). `data`: its bytes, when already
-    read with `read_file`. The parsing runs in a child process with limits on time and memory
-    (`reading.read`): nothing in the file can cost the judge more than that."""
-    from course_lib.grade import reading
-
-    path = pathlib.Path(path)
-    if data is None:
-        data = read_file(path)
-    return reading.read(data, path.name)
-
-
 def _nbgrader_id(metadata: dict) -> dict:
     nbgrader = metadata.get("nbgrader")
     grade_id = nbgrader.get("grade_id") if isinstance(nbgrader, dict) else None
@@ -133,7 +119,7 @@ def _nbgrader_id(metadata: dict) -> dict:
 
 
 def parse_notebook(data: bytes, filename: str) -> dict:
-    """`read_notebook`'s answer, worked out here: run it only where a RecursionError or a large allocation costs
+    """`reading.read_notebook`'s answer, worked out here: run it only where a RecursionError or a large allocation costs
     nothing but this notebook (`reading`'s child process)."""
     name = safe_name(pathlib.Path(filename).name)
     try:
@@ -178,7 +164,7 @@ def parse_notebook(data: bytes, filename: str) -> dict:
 
 
 def code_cells(notebook) -> list[tuple[int, str]]:
-    """(position in the notebook, source) of every code cell (of `read_notebook`'s dict or an nbformat node)."""
+    """(position in the notebook, source) of every code cell (of `reading.read_notebook`'s dict or an nbformat node)."""
     return [(index, _text(cell["source"])) for index, cell in enumerate(notebook["cells"])
             if cell.get("cell_type") == "code"]
 
@@ -198,7 +184,7 @@ def exercises_in(notebook, filename: str = "") -> list[str]:
 
     Example::
 
-        >>> exercises_in(read_notebook("assignments/05_ring_all_gather.ipynb"), "05_ring_all_gather.ipynb")
+        >>> exercises_in(reading.read_notebook("assignments/05_ring_all_gather.ipynb"), "05_ring_all_gather.ipynb")
         ['ring_all_gather', 'ring']
     """
     from course_lib.exercises import registry

@@ -71,7 +71,7 @@ def _ask(request: dict, data: bytes = b"") -> dict:
 def read(data: bytes, name: str) -> dict:
     """The notebook in `data` as {'cells': [{'cell_type', 'source', 'metadata'}], 'metadata': {}}: code cells with
     their source, the others with '' (grading reads no markdown); each cell's metadata only its nbgrader
-    grade_id. Raises `notebook.NotebookError` as `notebook.read_notebook` documents, and 'too large' when the
+    grade_id. Raises `notebook.NotebookError` as `read_notebook` documents, and 'too large' when the
     child could not read it within its limits."""
     from course_lib.grade.notebook import NotebookError, safe_name
 
@@ -91,6 +91,20 @@ def read(data: bytes, name: str) -> dict:
         while len(_cache) > _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))
     return answer["notebook"]
+
+
+def read_notebook(path, data: bytes | None = None) -> dict:
+    """The notebook at `path` as {'cells': [{'cell_type', 'source', 'metadata'}, ...], 'metadata': {}}: each code
+    cell's source as a string (other cells' as ''), each cell's metadata only its nbgrader grade_id; or
+    NotebookError saying why it cannot be graded (see `course_lib.grade.notebook`). `data`: its bytes, when already
+    read with `read_file`. The parsing runs in a child process with limits on time and memory
+    (`read`): nothing in the file can cost the judge more than that."""
+    from course_lib.grade.notebook import read_file
+
+    path = pathlib.Path(path)
+    if data is None:
+        data = read_file(path)
+    return read(data, path.name)
 
 
 def plan(sources, answer_names, positions=None) -> tuple[list, str]:

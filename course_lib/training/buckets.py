@@ -65,7 +65,7 @@ from typing import Callable
 import torch
 
 from course_lib import _checks, traffic
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 from course_lib import allreduce as allreduce_variants
 
 __all__ = ["Bucket", "BucketTiming", "StepTimeline", "plan_buckets", "GradientBuckets", "MIB"]

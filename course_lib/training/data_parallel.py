@@ -38,7 +38,7 @@ from torch import nn
 
 from course_lib import _checks
 from course_lib import allreduce as allreduce_variants
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 from course_lib import collectives, traffic
 from course_lib.training import sharding
 from course_lib.training.buckets import MIB, BucketTiming, GradientBuckets, StepTimeline

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import p2p, traffic
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 from course_lib.training import sharding
 from course_lib.training.data_parallel import _dataset_len, flat_parameters, take_batch
 

@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 
 __all__ = ["ComputeDelay", "with_compute_delays", "linear_flops", "model_flops", "with_flops_compute", "flop_compute",
            "FlopClock"]

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import p2p
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 from course_lib.training import sharding
 from course_lib.training.data_parallel import (_check_model, _dataset_len, _local_loss, flat_gradient,
                                                  set_flat_gradient, take_batch)

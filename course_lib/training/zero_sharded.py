@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import _checks, collectives
-from course_lib import modeled_clock as _clock
+from course_lib import rank_clock as _clock
 from course_lib import allreduce as allreduce_variants
 from course_lib.training.memory import MemoryCensus, optimizer_tensors
 
