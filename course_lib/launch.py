@@ -443,26 +443,36 @@ def _wait_for_spawned_ranks(processes, workdir, limit: float = _SPAWN_STARTUP_LI
 
 def _supervise(processes, workdir, timeout):
     """Wait for every rank; return the results, or the LaunchError to raise."""
-    from course_lib import launch_diagnosis   # loaded here: its reports are needed only when a launch fails
-
     deadline = time.monotonic() + timeout
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
     while running:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return launch_diagnosis.timeout_error(processes, workdir, timeout)
+            return _timed_out(processes, workdir, timeout)
         for sentinel in mp_connection.wait(list(running), timeout=min(remaining, 0.5)):
             rank = running.pop(sentinel)
             processes[rank].join()
             if processes[rank].exitcode != 0:
-                return launch_diagnosis.failure_error(processes, workdir, first_seen=rank)
+                return _failed(processes, workdir, first_seen=rank)
     results = []
     for rank in range(len(processes)):
         record = _read_result(workdir, rank)
         if record is None or record[0] != "ok":  # exit code 0 without a result cannot happen
-            return launch_diagnosis.failure_error(processes, workdir, first_seen=rank)
+            return _failed(processes, workdir, first_seen=rank)
         results.append(record[1])
     return results
+
+
+def _failed(processes, workdir, first_seen):
+    from course_lib import launch_diagnosis   # loaded only when a launch fails: a clean launch never needs it
+
+    return launch_diagnosis.failure_error(processes, workdir, first_seen=first_seen)
+
+
+def _timed_out(processes, workdir, timeout):
+    from course_lib import launch_diagnosis
+
+    return launch_diagnosis.timeout_error(processes, workdir, timeout)
 
 
 def _relay_output(workdir, world_size, prefix_output) -> None:
