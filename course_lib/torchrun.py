@@ -38,17 +38,16 @@ def run_torchrun(fn, args=(), kwargs=None, backend="auto", timeout=DEFAULT_TIMEO
     `network` models a link under every point-to-point message, as in `launch`; the ranks must then all
     run on one machine (they share its clock and a table of message start times).
     """
-    from course_lib import modeled_clock
-    from course_lib.network import Network    # loaded when a modeled network is asked for
-
     kwargs = {} if kwargs is None else kwargs
     if not under_torchrun():
         raise RuntimeError("run_torchrun must run inside a process started by torchrun; use launch() otherwise.")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    if network is not None:
+    if network is not None:        # loaded only for a modeled network; importing the clock registers the backend
+        from course_lib import modeled_clock
+        from course_lib.network import Network
+
         backend = _modeled_backend(backend)
-        from course_lib import backend as _registers  # noqa: F401 - importing it registers course_lib's backend
     else:
         backend = resolve_backend(backend, world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if backend == "nccl":
