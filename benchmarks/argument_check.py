@@ -3,10 +3,10 @@
     python benchmarks/argument_check.py                       # 2, 3, 4 and 8 ranks, 11 repetitions
     python benchmarks/argument_check.py --world-sizes 4 --reps 9 --calls 100 --network ''
 
-Every collective and all-reduce variant of course_lib starts with `_checks.agree`: each rank shares a row of a
+Every collective and all-reduce variant of course_lib starts with `runtime.agree`: each rank shares a row of a
 few integers (which function, how many elements, which dtype, op and root) and every rank checks that they agree.
 Until 2026-11-27 the rows went round in gloo's `all_gather`, a ring: G (G - 1) messages. Now, from 3 ranks on,
-rank 0 gathers them and broadcasts the table: 2 (G - 1) messages (`_checks._share`; with 2 ranks it keeps the
+rank 0 gathers them and broadcasts the table: 2 (G - 1) messages (`runtime._share`; with 2 ranks it keeps the
 one all_gather: as many messages, in one call). This script times `agree` itself both ways, and a checked
 `allreduce.parameter_server` of 64 float32 (as small as a training loop's loss sum), in one launch per world
 size, and again in a launch under a modeled network (`--network`, default ib_ndr), where every built-in
@@ -36,11 +36,11 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import course_lib  # noqa: E402
-from course_lib import _checks, allreduce  # noqa: E402
+from course_lib import allreduce, runtime  # noqa: E402
 FIELDS = {"numel": 64, "dtype": 0, "op": 0, "root": -1}
 
 
-EXCHANGES = {"all_gather": _checks._all_gather_rows, "gather + broadcast": _checks._gather_and_broadcast_rows}
+EXCHANGES = {"all_gather": runtime._all_gather_rows, "gather + broadcast": runtime._gather_and_broadcast_rows}
 
 
 def _time(fn, calls: int) -> float:
@@ -54,23 +54,23 @@ def _time(fn, calls: int) -> float:
 def measure(rank, world_size, reps, calls):
     """{(what, exchange): [seconds per call, one per repetition]} on this rank."""
     tensor = torch.randn(64)
-    what = {"agree": lambda: _checks.agree("all_reduce", FIELDS, same=("numel", "dtype", "op")),
+    what = {"agree": lambda: runtime.agree("all_reduce", FIELDS, same=("numel", "dtype", "op")),
             "parameter_server, 64 floats, checked": lambda: allreduce.parameter_server(tensor)}
     times = {(w, e): [] for w in what for e in EXCHANGES}
-    original = _checks._share
+    original = runtime._share
     try:
         for exchange in EXCHANGES:                     # a warm-up round, not kept: connections, first allocations
-            _checks._share = EXCHANGES[exchange]
+            runtime._share = EXCHANGES[exchange]
             for fn in what.values():
                 _time(fn, max(1, calls // 10))
         for rep in range(reps):
             order = list(EXCHANGES) if rep % 2 == 0 else list(EXCHANGES)[::-1]
             for exchange in order:
-                _checks._share = EXCHANGES[exchange]
+                runtime._share = EXCHANGES[exchange]
                 for name, fn in what.items():
                     times[name, exchange].append(_time(fn, calls))
     finally:
-        _checks._share = original
+        runtime._share = original
     return times
 
 

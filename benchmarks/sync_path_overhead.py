@@ -87,7 +87,7 @@ def measure(rank, world_size, base_dir, numel, calls, reps):
     import course_lib_base
 
     # Both versions write the launcher's status line before every blocking call, as they would alone.
-    course_lib_base._rankstate._slot = course_lib._rankstate._slot
+    course_lib_base._rankstate._slot = course_lib.runtime._slot
     libs = {"old": course_lib_base, "new": course_lib}
     variants = {}
     for version, lib in libs.items():

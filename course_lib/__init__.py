@@ -13,7 +13,7 @@
 """
 
 from course_lib import allreduce, collectives, ops, p2p, traffic
-from course_lib._checks import MismatchError, unchecked
+from course_lib.runtime import MismatchError, unchecked
 from course_lib.launch import (
     LaunchError,
     LaunchTimeoutError,
@@ -23,7 +23,7 @@ from course_lib.launch import (
     resolve_backend,
     under_torchrun,
 )
-from course_lib.rank_clock import clock, compute
+from course_lib.runtime import clock, compute
 from course_lib.versions import check_torch
 
 # Loaded on first use, so that `import course_lib` brings in only what a plain ring needs: the network model

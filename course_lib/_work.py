@@ -11,7 +11,7 @@ raised comes out of `wait()`. How course_lib keeps that safe:
 * **One worker thread, one queue.** The first async call starts a daemon thread in this rank; every
   async collective is queued and the thread runs them one after the other, in call order.
 * **Synchronous calls wait their turn.** Every course_lib collective and all-reduce variant starts
-  with `_checks.prepare`, which first calls `drain()`: a synchronous call made while async work is
+  with `runtime.prepare`, which first calls `runtime.drain()`: a synchronous call made while async work is
   queued runs after it. So every rank runs its collectives in the order it called them, whatever
   mix of sync and async, and the point-to-point messages of two collectives never interleave.
   That matters because gloo matches messages by (peer, tag) in FIFO order, and every course_lib
@@ -43,7 +43,7 @@ import threading
 
 import torch
 
-from course_lib import rank_clock as _clock
+from course_lib import runtime
 
 __all__ = ["Work", "submit", "drain", "finish", "pending"]
 
@@ -98,16 +98,16 @@ class Work:
 
     def _wait_done(self, seconds=None) -> bool:
         """Wait until the job is done; on a modeled clock this thread's clock then reads at least its end."""
-        if not _clock.active():
+        if not runtime.active():
             return self._done.wait(None if not seconds else seconds)
         me = threading.current_thread()
         with self._lock:
             self._waiters.add(me)
             try:
-                _clock.idle(self._lock, self._done.is_set)
+                runtime.idle(self._lock, self._done.is_set)
             finally:
                 self._waiters.discard(me)
-        _clock.catch_up(self._end)
+        runtime.catch_up(self._end)
         return True
 
     def is_completed(self) -> bool:
@@ -115,7 +115,7 @@ class Work:
         finished, and this thread's clock has reached its end; a True answer moves the clock there.)"""
         if not self._done.is_set():
             return False
-        _clock.catch_up(self._end)
+        runtime.catch_up(self._end)
         return True
 
     def is_success(self) -> bool:
@@ -147,10 +147,10 @@ class Work:
     def _finish(self, exception: BaseException | None) -> None:
         with self._lock:
             self._exception = exception
-            self._end = _clock.now()
+            self._end = runtime.now()
             self._done.set()
             for waiter in self._waiters:
-                _clock.wake(waiter)
+                runtime.wake(waiter)
             self._lock.notify_all()
             if self._future is not None:
                 self._complete_future()
@@ -168,7 +168,6 @@ class Work:
 _queue: collections.deque = collections.deque()
 _ready = threading.Condition()
 _worker: threading.Thread | None = None
-_last: Work | None = None                 # the newest submitted Work: when it is done, all are
 _unobserved: list = []                    # finished Works whose error nobody has looked at yet
 
 
@@ -180,36 +179,28 @@ def submit(call: str, job, outputs: list) -> Work:
         job: a function of no arguments that runs the whole collective, checks included.
         outputs: the tensors it writes (what `Work.result()` returns).
     """
-    global _worker, _last
+    global _worker
     work = Work(call, outputs)
     with _ready:
         if _worker is None:
             _worker = threading.Thread(target=_run_jobs, args=(torch.get_num_threads(),),
                                        name="course_lib-async", daemon=True)
             _worker.start()
-        _queue.append((work, job, _clock.now()))
-        _last = work
-        _clock.wake(_worker)
+            runtime._async_worker = _worker
+        _queue.append((work, job, runtime.now()))
+        runtime._newest_async = work        # what runtime.drain() waits for
+        runtime.wake(_worker)
         _ready.notify()
     return work
 
 
 def pending() -> bool:
     """True while some submitted async collective has not finished."""
-    last = _last
-    return last is not None and not last._done.is_set()
+    newest = runtime._newest_async
+    return newest is not None and not newest._done.is_set()
 
 
-def drain() -> None:
-    """Wait until every queued async collective has finished (errors stay with their Work).
-
-    Called at the start of every course_lib collective, so a synchronous call runs after the async
-    ones queued before it. A no-op on the worker thread itself, which runs the queue in order anyway.
-    """
-    last = _last
-    if last is None or threading.current_thread() is _worker:
-        return
-    last._wait_done()
+drain = runtime.drain  # wait for every queued async collective (it lives beside the checks that call it)
 
 
 def finish() -> None:
@@ -235,9 +226,9 @@ def _run_jobs(threads: int) -> None:
     torch.set_num_threads(threads)  # the rank's intra-op thread budget (the launcher's choice)
     while True:
         with _ready:
-            _clock.idle(_ready, lambda: bool(_queue))
+            runtime.idle(_ready, lambda: bool(_queue))
             work, job, queued_at = _queue[0]
-        _clock.catch_up(queued_at)       # a job cannot start before it was queued
+        runtime.catch_up(queued_at)       # a job cannot start before it was queued
         exception = None
         try:
             with torch.no_grad():
@@ -253,10 +244,10 @@ def _run_jobs(threads: int) -> None:
 
 def _forget_after_fork() -> None:
     """A forked child has no worker thread: start from an empty queue."""
-    global _worker, _last
+    global _worker
     _queue.clear()
     _unobserved.clear()
-    _worker, _last = None, None
+    _worker = None                        # (runtime forgets its own references to it)
 
 
 if hasattr(os, "register_at_fork"):

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, ops, p2p, traffic
-from course_lib._util import chunk_sizes
-from course_lib._util import flat_view as _flat
+from course_lib import ops, p2p, runtime, traffic
+from course_lib.ops import chunk_sizes
+from course_lib.ops import flat_view as _flat
 
 __all__ = ["naive", "parameter_server", "ring", "ring_scatter_reduce", "ring_all_gather", "chunk_sizes",
            "owned_chunk", "VARIANTS", "get"]  # noqa: F822 - VARIANTS loads on first use (module __getattr__)
@@ -34,9 +34,9 @@ def owned_chunk(rank: int, world_size: int) -> int:
     return (rank + 1) % world_size
 
 
-def _prepare(call: str, tensor, op=_checks.NO_OP, root=None) -> str:
+def _prepare(call: str, tensor, op=runtime.NO_OP, root=None) -> str:
     """Check this rank's arguments, agree on them with the other ranks, return the op's name."""
-    return _checks.prepare(call, tensor, op=op, root=root)
+    return runtime.prepare(call, tensor, op=op, root=root)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def ring(tensor: torch.Tensor, op=ops.SUM) -> None:
         [tensor([3., 6., 9.]), tensor([3., 6., 9.])]
     """
     op = _prepare("allreduce.ring", tensor, op)
-    with _checks.unchecked():  # agreed on once, under this function's name
+    with runtime.unchecked():  # agreed on once, under this function's name
         ring_scatter_reduce(tensor, op)
         ring_all_gather(tensor)
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from course_lib._util import not_a_rank
+from course_lib.runtime import not_a_rank
 
 __all__ = ["NAME", "ProcessGroup", "Work", "Collective", "install", "remove", "layers", "active", "caller",
            "init_process_group", "recording"]

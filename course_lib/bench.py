@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 
 import course_lib
-from course_lib import _checks, allreduce
+from course_lib import allreduce, runtime
 from course_lib import modeled_clock as _clock
 from course_lib import nccl as _nccl
 from course_lib import network as network_module
@@ -697,7 +697,7 @@ def measure_in_rank(nbytes: int, variants=VARIANTS, reps: int = 5, warmup: int =
             if cpu:
                 cpu_start, ticks_start = time.process_time(), _cpu_ticks()
             start = _clock.clock()
-            with _checks.checking(arg_checks):  # by default the algorithm only, not course_lib's argument check
+            with runtime.checking(arg_checks):  # by default the algorithm only, not course_lib's argument check
                 function(work)
             _synchronize(device)
             elapsed = _clock.clock() - start

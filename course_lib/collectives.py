@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, _work, ops, p2p, traffic
-from course_lib._util import contiguous_flat, flat_view
+from course_lib import ops, p2p, runtime, traffic, _work
+from course_lib.ops import contiguous_flat, flat_view
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "all_to_all", "reduce", "all_reduce",
            "reduce_scatter", "ReduceOp", "Work"]
@@ -60,10 +60,10 @@ def _start(call, async_op, outputs, body, *args):
     entering no_grad costs about a microsecond on every call.)
     """
     if async_op:
-        checked = _checks.is_checking()       # the worker runs it checked as the caller's thread is now
+        checked = runtime.is_checking()       # the worker runs it checked as the caller's thread is now
 
         def job():
-            with _checks.checking(checked):
+            with runtime.checking(checked):
                 body(*args)
 
         return _work.submit(call, job, outputs)
@@ -240,7 +240,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
 
 def _broadcast(tensor, src, local):
     rank, world_size = _rank_and_size()
-    _checks.prepare("broadcast", tensor, root=src, root_name="src", local=local)
+    runtime.prepare("broadcast", tensor, root=src, root_name="src", local=local)
     with flat_view(tensor) as flat, traffic.phase("broadcast"):
         if rank == src:
             _wait_all([p2p.isend(flat, dst) for dst in range(world_size) if dst != src])
@@ -270,7 +270,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int | None = None, gro
 def _scatter(tensor, scatter_list, src, also):
     rank, world_size = _rank_and_size()
     local = _root_list_check("scatter", "scatter_list", scatter_list, tensor, "src", src, rank, world_size, also)
-    _checks.prepare("scatter", tensor, root=src, root_name="src", local=local)
+    runtime.prepare("scatter", tensor, root=src, root_name="src", local=local)
     with traffic.phase("scatter"):
         if rank == src:
             outgoing = {dst: contiguous_flat(scatter_list[dst]) for dst in range(world_size) if dst != src}
@@ -301,7 +301,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int | None = None, group
 def _gather(tensor, gather_list, dst, also):
     rank, world_size = _rank_and_size()
     local = _root_list_check("gather", "gather_list", gather_list, tensor, "dst", dst, rank, world_size, also)
-    _checks.prepare("gather", tensor, root=dst, root_name="dst", local=local)
+    runtime.prepare("gather", tensor, root=dst, root_name="dst", local=local)
     with traffic.phase("gather"):
         if rank == dst:
             _copy_into(gather_list[dst], tensor)  # first: `tensor` may be an entry a message overwrites
@@ -328,7 +328,7 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
 
 def _all_gather(tensor_list, tensor):
     rank, world_size = _rank_and_size()
-    _checks.prepare("all_gather", tensor,
+    runtime.prepare("all_gather", tensor,
                     local=lambda: _check_list("all_gather", "tensor_list", tensor_list, tensor, world_size))
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     _copy_into(tensor_list[rank], tensor)  # first: later steps may overwrite `tensor` if it is an entry
@@ -380,7 +380,7 @@ def _all_to_all(output_tensor_list, input_tensor_list):
 
 def _checks_all_to_all(rank, world_size, first, inputs, outputs, local):
     """Beyond the usual agreement: what j sends to r must have the size r expects from j."""
-    _work.drain()  # like _checks.prepare: run after the async collectives queued before this one
+    runtime.drain()  # like runtime.prepare: run after the async collectives queued before this one
     problem = None
     try:
         local()
@@ -390,14 +390,14 @@ def _checks_all_to_all(rank, world_size, first, inputs, outputs, local):
     for j in range(world_size):
         sizes[f"in{j}"] = inputs[j].numel() if problem is None else -1
         sizes[f"out{j}"] = outputs[j].numel() if problem is None else -1
-    dtype = _checks.dtype_code(first.dtype) if isinstance(first, torch.Tensor) and problem is None else -1
-    table = _checks.agree("all_to_all", {"dtype": dtype, **sizes}, same=("dtype",), problem=problem,
-                          device=_checks.metadata_device(first if isinstance(first, torch.Tensor) else None))
+    dtype = runtime.dtype_code(first.dtype) if isinstance(first, torch.Tensor) and problem is None else -1
+    table = runtime.agree("all_to_all", {"dtype": dtype, **sizes}, same=("dtype",), problem=problem,
+                          device=runtime.metadata_device(first if isinstance(first, torch.Tensor) else None))
     wrong = [(j, r, table[j][f"in{r}"], table[r][f"out{j}"]) for r in range(len(table)) for j in range(len(table))
              if table[j][f"in{r}"] != table[r][f"out{j}"]]
     if wrong:
         j, r, sent, expected = wrong[0]
-        raise _checks.MismatchError(
+        raise runtime.MismatchError(
             f"all_to_all: rank {j}'s input_tensor_list[{r}] has {sent} elements but rank {r}'s "
             f"output_tensor_list[{j}] has room for {expected} ({len(wrong)} such pair(s)). The piece rank j sends "
             "to rank r must be exactly as large as the one rank r expects from rank j.")
@@ -425,7 +425,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op=ReduceOp.SUM, group=
 
 def _reduce(tensor, dst, op, local):
     rank, world_size = _rank_and_size()
-    op = _checks.prepare("reduce", tensor, op=op, root=dst, root_name="dst", local=local)
+    op = runtime.prepare("reduce", tensor, op=op, root=dst, root_name="dst", local=local)
     with flat_view(tensor) as flat, traffic.phase("reduce"):
         if rank == dst:
             everyone = [flat.clone() if r == dst else torch.empty_like(flat) for r in range(world_size)]
@@ -453,8 +453,8 @@ def _all_reduce(tensor, op):
     from course_lib import allreduce  # one layer up (allreduce builds on these collectives)
 
     _rank_and_size()
-    op = _checks.prepare("all_reduce", tensor, op=op)
-    with _checks.unchecked():  # agreed on above, under this function's name
+    op = runtime.prepare("all_reduce", tensor, op=op)
+    with runtime.unchecked():  # agreed on above, under this function's name
         allreduce.ring(tensor, op)
 
 
@@ -475,7 +475,7 @@ def reduce_scatter(output: torch.Tensor, input_list, op=ReduceOp.SUM, group=None
 
 def _reduce_scatter(output, input_list, op):
     rank, world_size = _rank_and_size()
-    op = _checks.prepare("reduce_scatter", output, op=op,
+    op = runtime.prepare("reduce_scatter", output, op=op,
                          local=lambda: _check_list("reduce_scatter", "input_list", input_list, output, world_size))
     mine = contiguous_flat(input_list[rank])
     pieces = [None] * world_size

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, ops, p2p, traffic
-from course_lib._util import chunk_sizes  # sizes of torch.tensor_split's parts
-from course_lib._util import flat_view as _flat
+from course_lib import ops, p2p, runtime, traffic
+from course_lib.ops import chunk_sizes  # sizes of torch.tensor_split's parts
+from course_lib.ops import flat_view as _flat
 
 __all__ = ["ring_pipelined", "ring_bidirectional", "halving_doubling", "recursive_doubling", "tree", "SEGMENT_BYTES",
            "segments_per_chunk", "expected_traffic", "expected_steps", "VARIANTS"]
@@ -172,10 +172,10 @@ def ring_pipelined(tensor: torch.Tensor, op=ops.SUM, segment_bytes: int | None =
             raise ValueError(f"allreduce.ring_pipelined: segment_bytes={segment_bytes!r} must be a positive "
                              f"number of bytes, e.g. {SEGMENT_BYTES} (4 MiB), or None for the default")
 
-    op = _checks.prepare("allreduce.ring_pipelined", tensor, op=op, local=check_segment)
+    op = runtime.prepare("allreduce.ring_pipelined", tensor, op=op, local=check_segment)
     # Ranks that cut their chunks differently would wait for segments that never come: agree first.
-    _checks.agree("allreduce.ring_pipelined", {"segment_bytes": segment_bytes}, same=("segment_bytes",),
-                  device=_checks.metadata_device(tensor))
+    runtime.agree("allreduce.ring_pipelined", {"segment_bytes": segment_bytes}, same=("segment_bytes",),
+                  device=runtime.metadata_device(tensor))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return  # nothing to combine; AVG over one rank is the value itself
@@ -277,7 +277,7 @@ def ring_bidirectional(tensor: torch.Tensor, op=ops.SUM) -> None:
         tensor: this rank's input; overwritten with the result.
         op: SUM, AVG, PRODUCT, MAX or MIN.
     """
-    op = _checks.prepare("allreduce.ring_bidirectional", tensor, op=op)
+    op = runtime.prepare("allreduce.ring_bidirectional", tensor, op=op)
     rank, g = dist.get_rank(), dist.get_world_size()
     if g == 1:
         return
@@ -382,7 +382,7 @@ def halving_doubling(tensor: torch.Tensor, op=ops.SUM) -> None:
         tensor: this rank's input; overwritten with the result.
         op: SUM, AVG, PRODUCT, MAX or MIN.
     """
-    op = _checks.prepare("allreduce.halving_doubling", tensor, op=op)
+    op = runtime.prepare("allreduce.halving_doubling", tensor, op=op)
     with _flat(tensor) as flat:
         _folded(flat, op, _halving_doubling_core)
 
@@ -483,7 +483,7 @@ def recursive_doubling(tensor: torch.Tensor, op=ops.SUM) -> None:
         tensor: this rank's input; overwritten with the result.
         op: SUM, AVG, PRODUCT, MAX or MIN.
     """
-    op = _checks.prepare("allreduce.recursive_doubling", tensor, op=op)
+    op = runtime.prepare("allreduce.recursive_doubling", tensor, op=op)
     with _flat(tensor) as flat:
         _folded(flat, op, _recursive_doubling_core)
 
@@ -543,7 +543,7 @@ def tree(tensor: torch.Tensor, op=ops.SUM) -> None:
         tensor: this rank's input; overwritten with the result.
         op: SUM, AVG, PRODUCT, MAX or MIN.
     """
-    op = _checks.prepare("allreduce.tree", tensor, op=op)
+    op = runtime.prepare("allreduce.tree", tensor, op=op)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     levels = (world_size - 1).bit_length()  # ceil(log2 G)
     with _flat(tensor) as flat:

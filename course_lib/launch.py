@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate, _work
+from course_lib import runtime, _work
 from course_lib.launch_files import (_FINISHED, LaunchError, LaunchTimeoutError, RankFailedError, _RankFiles,
                                      _read_result, _stop_all)
 from course_lib.launch_platform import (BACKEND_NAME, DEFAULT_TIMEOUT, _die_with_parent, _hide_gpus,
@@ -149,7 +149,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
     stack_file = open(files.stack, "w")
     if hasattr(faulthandler, "register"):  # every thread: an async collective runs on a second one
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    _rankstate.attach(files.status)
+    runtime.attach(files.status)
 
     fn, args, kwargs = payload if isinstance(payload, tuple) else _cloudpickle_loads(payload)
     exitcode = 0
@@ -184,7 +184,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
         _work.finish()  # async collectives still running would race the result (and the barrier below)
         if clock is not None:
             clock.deactivate()  # this rank's clock stops here; the barrier below is the launcher's, not fn's
-        _rankstate.set_blocked(_FINISHED)
+        runtime.set_blocked(_FINISHED)
         _write_result(files, ("ok", result))
         # Nobody tears down its sockets while a neighbour may still be reading from them.
         dist.barrier()
@@ -198,7 +198,7 @@ def _rank_main(rank, world_size, workdir, payload, backend, timeout, threads, ne
     finally:
         if clock is not None:
             clock.deactivate()
-        _rankstate.detach()
+        runtime.detach()
         if dist.is_initialized() and exitcode == 0:
             dist.destroy_process_group()
         sys.stdout.flush()
@@ -364,7 +364,7 @@ def launch(
     maestro = None
     try:
         for rank in range(world_size):
-            _rankstate.create_slot_file(_RankFiles(workdir, rank).status)
+            runtime.create_slot_file(_RankFiles(workdir, rank).status)
         if network is not None:  # listening before any rank starts; its thread starts after the forks
             maestro = _maestro.Maestro(network, world_size, _RankFiles(workdir, 0).network)
         context = __import__("multiprocessing").get_context(method)

@@ -2,7 +2,7 @@
 
 `launch` calls `failure_error` when a rank raised or died, and `timeout_error` when the ranks did
 not finish in time; both stop the ranks and return the error to raise. A timeout's report reads each
-rank's blocked-call status (`course_lib._rankstate`) and its Python stack (faulthandler, on SIGUSR1),
+rank's blocked-call status (`course_lib.runtime`) and its Python stack (faulthandler, on SIGUSR1),
 and ends with one sentence on what the states suggest (`diagnose`): a receive with no matching send,
 a torch collective some rank never called, a deadlock of receivers.
 """
@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from course_lib import _rankstate
+from course_lib import runtime
 from course_lib.launch_files import (_FINISHED, LaunchTimeoutError, RankFailedError, _RankFiles, _read_result,
                                      _stop_all)
 
@@ -116,7 +116,7 @@ def timeout_error(processes, workdir, timeout):
         if process.exitcode is not None:
             blocked[rank] = "finished"
             continue
-        what = _rankstate.read_slot_file(_RankFiles(workdir, rank).status)
+        what = runtime.read_slot_file(_RankFiles(workdir, rank).status)
         if what == _FINISHED:
             blocked[rank] = "finished: returned from fn and waits for the other ranks"
             continue

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from course_lib import _rankstate
+from course_lib import runtime
 from course_lib._util import progress_bar
 
 __all__ = ["progress", "running", "LaunchStatus", "DELAY"]
@@ -155,13 +155,13 @@ def progress(iterable: Iterable, desc: str = "", total: int | None = None, delay
         except TypeError:
             total = None
     label = f"{desc} " if desc else ""
-    if _rankstate.is_active():                      # inside a launched rank: tell the launcher
+    if runtime.has_slot():                      # inside a launched rank: tell the launcher
         try:
             for done, item in enumerate(iterable):
-                _rankstate.set_progress(f"{label}{_bar(done, total)}")
+                runtime.set_progress(f"{label}{_bar(done, total)}")
                 yield item
         finally:
-            _rankstate.set_progress("")
+            runtime.set_progress("")
         return
     state = {"done": 0, "item": None, "started": time.monotonic()}
 
@@ -221,7 +221,7 @@ class LaunchStatus(LiveLine):
 
     Args:
         world_size: the number of ranks.
-        status_file: status_file(rank) is the path of that rank's `_rankstate` file.
+        status_file: status_file(rank) is the path of that rank's slot file (`course_lib.runtime`).
         stdout_file: stdout_file(rank) is the path of the file its output goes to.
     """
 
@@ -233,8 +233,8 @@ class LaunchStatus(LiveLine):
 
     def rank_line(self, rank: int) -> str:
         """What rank `rank` is doing, in one line of text."""
-        blocked = _rankstate.read_slot_file(self.status_file(rank))
-        doing = _rankstate.read_progress(self.status_file(rank)) or _last_line(self.stdout_file(rank))
+        blocked = runtime.read_slot_file(self.status_file(rank))
+        doing = runtime.read_progress(self.status_file(rank)) or _last_line(self.stdout_file(rank))
         if blocked == "finished":
             state = "finished, waits for the others"
         elif blocked:

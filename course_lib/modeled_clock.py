@@ -1,7 +1,7 @@
 """The modeled clock inside a rank: what `course_lib.clock()` reads under ``launch(fn, G, network=net)``.
 
-A rank reads its clock through `course_lib.rank_clock` (`clock`, `compute`, `untimed`, ...), which imports
-nothing and asks this module's state only while a modeled launch is active. Under such a launch every thread
+A rank reads its clock through `course_lib.runtime` (`clock`, `compute`, `untimed`, ...), which imports
+none of this and asks this module's state only while a modeled launch is active. Under such a launch every thread
 of a rank that communicates keeps a modeled clock (`course_lib.simulation` says how it moves;
 `course_lib._maestro` runs the simulation in the launching process).
 
@@ -42,22 +42,26 @@ from dataclasses import dataclass
 import torch
 
 from course_lib import _maestro as wire
-from course_lib import backend
+from course_lib import backend, ops, runtime
+from course_lib.runtime import active, catch_up, clock, compute, current_network, idle, now, untimed, wake
 from course_lib.simulation import ModeledDeadlock, SimulationError, main_actor
-
-from course_lib import rank_clock
-from course_lib.rank_clock import (active, catch_up, clock, compute, current_network, idle, now, reduction,
-                                   untimed, wake)
 
 __all__ = ["clock", "compute", "reduction", "now", "catch_up", "idle", "wake", "untimed", "active", "current_network",
            "last_launch", "LaunchStats", "ModeledDeadlock"]
 
-_local = rank_clock._local
+_local = runtime._local
+
+
+def reduction(nbytes: int) -> None:
+    """A reduction of two `nbytes` tensors into one on a network with a `memory_bandwidth`: 3 nbytes /
+    memory_bandwidth of compute (read two, write one), as a GPU's reduction kernel is bound by its memory.
+    `activate` makes it `ops.charge_reduction`, so `ops.combine_` calls it only on such a network."""
+    compute(3 * nbytes / runtime._state.network.memory_bandwidth)
 
 
 def __getattr__(name):
-    if name == "_state":                  # the one copy lives in rank_clock, which activate() sets
-        return rank_clock._state
+    if name == "_state":                  # the one copy lives in runtime, which activate() sets
+        return runtime._state
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -168,7 +172,7 @@ class _ThreadEnd:
 
     def __del__(self):
         link = self.link
-        if link.id == main_actor(link.state.rank) or link.closed or rank_clock._state is not link.state:
+        if link.id == main_actor(link.state.rank) or link.closed or runtime._state is not link.state:
             return
         try:
             link.send(wire.DONE_ACTOR)
@@ -223,7 +227,7 @@ class _RankState:
                 link = self.links[thread] = _Link(self, actor, start.clock if start is not None else 0.0)
             return link
 
-    # what rank_clock's functions do on the modeled clock
+    # what runtime's clock functions do on the modeled clock
     def now(self) -> float:
         return self.link().now()
 
@@ -241,7 +245,7 @@ class _RankState:
     def idle(self, condition: threading.Condition, predicate, timeout: float) -> None:
         link = self.link()
         while not predicate():
-            if rank_clock._state is not self:      # the rank left the modeled clock meanwhile
+            if runtime._state is not self:      # the rank left the modeled clock meanwhile
                 condition.wait_for(predicate)
                 return
             link.send(wire.PARK, a=link.woken)
@@ -325,7 +329,7 @@ class _ModeledRequest(backend.Work):
     def wait(self, timeout=None) -> bool:
         if self._done:
             return True
-        state = rank_clock._state
+        state = runtime._state
         detail = state.link().call(wire.WAIT, self._request)
         self._finish(state, detail, timeout)
         return True
@@ -340,7 +344,7 @@ class _ModeledRequest(backend.Work):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        state = rank_clock._state
+        state = runtime._state
         if state is None:
             return False
         answer = state.link().call(wire.TEST, self._request, x=_POLL_SECONDS)
@@ -380,7 +384,7 @@ class _ModeledCollective(backend.Work):
     def modeled_wait(self) -> None:
         if not self._done:
             self._done = True
-            rank_clock._state.link().call(wire.WAIT, self._request)
+            runtime._state.link().call(wire.WAIT, self._request)
 
     def wait(self, timeout=None) -> bool:
         self.modeled_wait()
@@ -388,7 +392,7 @@ class _ModeledCollective(backend.Work):
 
     def is_completed(self) -> bool:
         if not self._done:
-            if not rank_clock._state.link().call(wire.TEST, self._request, x=_POLL_SECONDS):
+            if not runtime._state.link().call(wire.TEST, self._request, x=_POLL_SECONDS):
                 return False
             self._done = True
         return super().is_completed()
@@ -418,7 +422,7 @@ class _ClockLayer:
     """course_lib's backend layer that times every call (see the module docstring)."""
 
     def send(self, group, tensor, dst, tag, proceed):
-        state = rank_clock._state
+        state = runtime._state
         copy = tensor.detach().clone()        # the modeled send may end before torch has read the tensor
         work = proceed(copy, dst, tag)
         state.keep_send(work, copy)
@@ -428,7 +432,7 @@ class _ClockLayer:
         return _ModeledRequest(request, "send", group)
 
     def recv(self, group, tensor, src, tag, proceed):
-        state = rank_clock._state
+        state = runtime._state
         request = state.request_id()
         with state.posting:
             state.receives[request] = _Receive(tensor, group, tag, proceed)
@@ -437,7 +441,7 @@ class _ClockLayer:
         return _ModeledRequest(request, "recv", group)
 
     def collective(self, group, call, proceed):
-        state = rank_clock._state
+        state = runtime._state
         timed = not getattr(_local, "untimed", False)
         request = state.request_id()
         payload = (f"{call.kind}:{call.element_size}" if timed else "sync").encode().ljust(24, b"\0") + \
@@ -454,7 +458,7 @@ class _ClockLayer:
         # Making a group connects its members for real: on the modeled clock a collective of its members that costs
         # nothing, so no member's clock waits for one still on its way. Only the members take part: with
         # use_local_synchronization=True torch calls this on them alone (ranks: global ranks).
-        state = rank_clock._state
+        state = runtime._state
         members = tuple(sorted(ranks))
         if state.rank in members:
             code = -2 - zlib.crc32(repr(members).encode())        # one sequence per member set, the same on each
@@ -472,20 +476,22 @@ _LAYER = _ClockLayer()
 def activate(network, path: str, rank: int, world_size: int) -> None:
     """Put this rank on the modeled clock (called on every rank, after the process group exists): the clock
     becomes a layer of the rank's process group, which must be course_lib's (`course_lib.backend`)."""
-    if rank_clock._state is not None:
+    if runtime._state is not None:
         raise RuntimeError("a modeled network is already active in this process")
     if not backend.active():
         raise RuntimeError("the modeled clock times calls through course_lib's torch.distributed backend: initialise "
                            "the process group with backend 'course_lib' (launch(..., network=) does)")
     state = _RankState(network, path, rank, world_size)
-    rank_clock._state = state
+    runtime._state = state
     state.link()._connect()
     backend.install(_LAYER)
+    if getattr(network, "memory_bandwidth", None):
+        ops.charge_reduction = reduction
 
 
 def deactivate() -> None:
     """Take this rank off the modeled clock: tell the simulation it is done, remove the clock's layer."""
-    state = rank_clock._state
+    state = runtime._state
     if state is None:
         return
     try:
@@ -496,7 +502,8 @@ def deactivate() -> None:
     backend.remove(_LAYER)
     for link in list(state.links.values()):
         link.close()
-    rank_clock._state = None
+    runtime._state = None
+    ops.charge_reduction = None
     _local.__dict__.clear()
 # --------------------------------------------------------------------------------------------------
 # After a launch

@@ -658,9 +658,9 @@ class Cluster:
 
 def current():
     """The network modeled in this rank (a `Network` or `Cluster`), or None (plain loopback)."""
-    from course_lib import rank_clock
+    from course_lib import runtime
 
-    return rank_clock.current_network()
+    return runtime.current_network()
 
 
 def last_launch():

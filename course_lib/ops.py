@@ -1,4 +1,4 @@
-"""Reduce operations: how two ranks' values become one.
+"""Reduce operations, how two ranks' values become one, and the tensor shapes the algorithms work on.
 
     SUM      a + b            AVG      (a_0 + ... + a_{G-1}) / G, floating dtypes only
     PRODUCT  a * b            MAX/MIN  elementwise max(a, b) / min(a, b)
@@ -10,17 +10,20 @@ torch refuses AVG on integer tensors, and so do we.
 
 Deliberately left out: torch's bitwise BAND, BOR, BXOR and NCCL's PREMUL_SUM (they teach nothing
 about combining gradients), and SUM on bool tensors (see `check_dtype`).
+
+The algorithms cut a tensor the way `torch.tensor_split` does (`chunk_sizes`) and work on a flat view of it
+(`flat_view`). This module imports nothing else of course_lib: it is the bottom of the algorithms' layers.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-from course_lib import rank_clock
-
 __all__ = ["SUM", "AVG", "PRODUCT", "MAX", "MIN", "OPS", "normalize", "check_dtype", "combine_", "finish_",
-           "reduce_in_rank_order"]
+           "reduce_in_rank_order", "chunk_sizes", "flat_view", "contiguous_flat"]
 
 SUM, AVG, PRODUCT, MAX, MIN = "SUM", "AVG", "PRODUCT", "MAX", "MIN"
 OPS = (SUM, AVG, PRODUCT, MAX, MIN)
@@ -72,12 +75,18 @@ def check_dtype(op: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+# What a reduction of two `nbytes` tensors costs on a modeled clock: None (free) unless a modeled network with a
+# `memory_bandwidth` is active, whose clock then puts its `reduction(nbytes)` here (`course_lib.modeled_clock`).
+charge_reduction = None
+
+
 def combine_(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> torch.Tensor:
     """accumulator <- accumulator (op) incoming, in place. AVG adds here and divides in `finish_`.
 
     On a modeled clock whose network has a `memory_bandwidth`, this costs the time a device bound by its
-    memory takes: read both, write one (`rank_clock.reduction`)."""
-    rank_clock.reduction(accumulator.numel() * accumulator.element_size())
+    memory takes: read both, write one (`charge_reduction`)."""
+    if charge_reduction is not None:
+        charge_reduction(accumulator.numel() * accumulator.element_size())
     if op in (SUM, AVG):
         if accumulator.dtype == torch.bool:
             return accumulator.logical_or_(incoming)
@@ -111,3 +120,30 @@ def reduce_in_rank_order(out: torch.Tensor, tensors: list, op: str) -> torch.Ten
     for other in tensors[1:]:
         combine_(out, other, op)
     return finish_(out, op, len(tensors))
+
+
+# --------------------------------------------------------------------------------------------------
+# The tensor shapes the algorithms work on
+# --------------------------------------------------------------------------------------------------
+
+
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
+    """Sizes of the G chunks `torch.tensor_split` makes: the first numel % G chunks are one longer."""
+    base, extra = divmod(numel, world_size)
+    return [base + 1 if i < extra else base for i in range(world_size)]
+
+
+@contextlib.contextmanager
+def flat_view(tensor: torch.Tensor):
+    """A 1-D view of `tensor` to work on in place; a non-contiguous tensor is copied and written back."""
+    if tensor.is_contiguous():
+        yield tensor.view(-1)
+    else:
+        flat = tensor.reshape(-1).clone()
+        yield flat
+        tensor.copy_(flat.view(tensor.shape))
+
+
+def contiguous_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as a contiguous 1-D tensor (a view when possible) for sending."""
+    return tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate, traffic
-from course_lib._util import not_a_rank
+from course_lib import runtime, traffic
+from course_lib.runtime import not_a_rank
 
 __all__ = ["send", "recv", "isend", "irecv", "Request"]
 
@@ -72,8 +72,8 @@ def _describe(call, peer_name, peer, tensor, chunk) -> str:
 
 def _blocking(call, peer_name, peer, tensor, chunk, run):
     """Run a blocking torch call with the launcher told about it and timeouts explained."""
-    if _rankstate.is_active():
-        _rankstate.set_blocked(_describe(call, peer_name, peer, tensor, chunk))
+    if runtime.has_slot():
+        runtime.set_blocked(_describe(call, peer_name, peer, tensor, chunk))
     try:
         return run()
     except RuntimeError as err:
@@ -85,7 +85,7 @@ def _blocking(call, peer_name, peer, tensor, chunk, run):
             ) from err
         raise
     finally:
-        _rankstate.clear()
+        runtime.clear_blocked()
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, chunk: int | None = None) -> None:

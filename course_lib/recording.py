@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from course_lib import backend, p2p
-from course_lib._checks import unchecked
+from course_lib.runtime import unchecked
 
 __all__ = ["record_schedule"]
 

@@ -21,6 +21,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from course_lib import runtime
+
 __all__ = ["Event", "Recording", "record", "phase", "steps", "at_step", "current_labels", "step_counts"]
 
 
@@ -119,9 +121,7 @@ def record() -> Iterator[Recording]:
     """
     import torch.distributed as dist
 
-    from course_lib import _work
-
-    _work.drain()
+    runtime.drain()
     rec = Recording()
     if dist.is_available() and dist.is_initialized():
         rec.rank, rec.world_size = dist.get_rank(), dist.get_world_size()
@@ -129,7 +129,7 @@ def record() -> Iterator[Recording]:
     try:
         yield rec
     finally:
-        _work.drain()
+        runtime.drain()
         # By identity: recordings compare equal by content (they are dataclasses), so
         # `_active.remove(rec)` could drop an enclosing recording that saw the same events.
         _active[:] = [other for other in _active if other is not rec]

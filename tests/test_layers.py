@@ -66,3 +66,6 @@ def test_one_ring_runs_through_few_lines_of_the_library():
     table = trace_ring.trace(world_size=4, numel=1003)
     assert "allreduce.py" in table and "p2p.py" in table
     assert sum(table.values()) <= 250, table
+    # the algorithms, their messages and labels, the reductions, and one runtime module beside them
+    assert len(table) <= 5, table
+    assert set(table) <= {"allreduce.py", "p2p.py", "traffic.py", "ops.py", "runtime.py"}, table

@@ -575,3 +575,36 @@ def test_names_bound_to_torchs_calls_before_the_launch_are_timed_too():
     for reduced, _ in results:
         assert reduced == pytest.approx(net.predict("builtin", 4 * 2 ** 20, 2), rel=EXACT)
     assert results[1][1] == pytest.approx(net.message_time(4 * 2 ** 20), rel=EXACT)
+
+
+def _time_two_reductions(rank, world_size, numel):
+    from course_lib import ops
+
+    hooked = ops.charge_reduction is not None
+    accumulator = torch.full((numel,), float(rank + 1))
+    incoming = torch.arange(numel, dtype=torch.float32)
+    start = course_lib.clock()
+    ops.combine_(accumulator, incoming, ops.SUM)
+    ops.combine_(accumulator, incoming, ops.MAX)
+    elapsed = course_lib.clock() - start
+    expected = torch.maximum(torch.full((numel,), float(rank + 1)) + incoming, incoming)
+    return hooked, elapsed, bool(torch.equal(accumulator, expected))
+
+
+@pytest.mark.parametrize("memory_bandwidth", [None, "2 GB/s"])
+def test_a_reduction_costs_three_passes_over_memory_only_where_the_network_says_so(memory_bandwidth):
+    link = Network(bandwidth="1 GB/s", latency="5us")
+    if memory_bandwidth is not None:
+        link = link.with_memory_bandwidth(memory_bandwidth)
+    numel = 1003
+    results = course_lib.launch(_time_two_reductions, world_size=2, args=(numel,), network=link)
+    from course_lib import ops
+
+    assert ops.charge_reduction is None                          # the launching process never pays for reductions
+    for hooked, elapsed, correct in results:
+        assert correct
+        assert hooked == (memory_bandwidth is not None)
+        if memory_bandwidth is None:
+            assert elapsed == 0.0
+        else:                                                    # read two, write one, twice
+            assert elapsed == pytest.approx(2 * 3 * numel * 4 / parse_bandwidth(memory_bandwidth), rel=1e-12)

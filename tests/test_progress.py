@@ -14,7 +14,7 @@ import time
 import pytest
 
 import course_lib
-from course_lib import _rankstate, live
+from course_lib import live, runtime
 
 pytest.importorskip("ipykernel")
 pytest.importorskip("ipywidgets")
@@ -164,7 +164,7 @@ def _report_progress(rank, world_size):
     """In a rank: loop with progress, and read back the progress part of the rank's shared status
     file (the memory the launcher's reader sees) at every item and after the loop."""
     def seen():
-        region = bytes(_rankstate._slot[_rankstate.SLOT_BYTES:])
+        region = bytes(runtime._slot[runtime.SLOT_BYTES:])
         return region.split(b"\0", 1)[0].decode()
     lines = [seen() for _ in course_lib.progress(range(4), desc="epoch")]
     return lines + [seen()]
@@ -179,17 +179,17 @@ def test_progress_in_a_rank_writes_the_line_the_launcher_reads():
 
 def test_rank_line_reads_progress_output_and_blocked_call(tmp_path):
     status, stdout = str(tmp_path / "status"), str(tmp_path / "stdout")
-    _rankstate.create_slot_file(status)
+    runtime.create_slot_file(status)
     pathlib.Path(stdout).write_text("epoch 1 done\nloss 0.5\n\n")
     line = live.LaunchStatus(1, lambda r: status, lambda r: stdout)
     assert line.rank_line(0) == "rank 0 · loss 0.5 · running"
-    _rankstate.attach(status)
+    runtime.attach(status)
     try:
-        _rankstate.set_blocked("recv(src=1, shape=(4,), dtype=torch.float32)")
-        _rankstate.set_progress("epoch [###---] 1/2")
+        runtime.set_blocked("recv(src=1, shape=(4,), dtype=torch.float32)")
+        runtime.set_progress("epoch [###---] 1/2")
         assert line.rank_line(0) == "rank 0 · epoch [###---] 1/2 · in recv(src=1, shape=(4,), dtype=torch.float32)"
-        assert _rankstate.read_slot_file(status) == "recv(src=1, shape=(4,), dtype=torch.float32)"
-        _rankstate.set_blocked("finished")
+        assert runtime.read_slot_file(status) == "recv(src=1, shape=(4,), dtype=torch.float32)"
+        runtime.set_blocked("finished")
         assert line.rank_line(0).endswith("finished, waits for the others")
     finally:
-        _rankstate.detach()
+        runtime.detach()

@@ -7,7 +7,7 @@ in the rank's process group: a `Tracer` is a layer of course_lib's torch.distrib
 * every send and receive passes it, however it was made: `course_lib.p2p`, ``dist.send / recv / isend /
   irecv``, a name imported with ``from torch.distributed import send``. A send is logged with a copy of
   the data it carried, taken at send time; a receive with its peer and size. The layer also writes the
-  rank's status line (`course_lib._rankstate`), so a deadlock in a raw ``dist.recv`` is explained like one
+  rank's status line (`course_lib.runtime`), so a deadlock in a raw ``dist.recv`` is explained like one
   in `p2p.recv`, and it adds ``case * TAG_STRIDE`` to the tag: a message a broken case left behind can
   never be received by the next case.
 * the built-in collectives (``dist.all_reduce``, ``broadcast``, ``all_gather``, ...), the calls made of
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 import course_lib
-from course_lib import _rankstate, backend
+from course_lib import backend, runtime
 
 __all__ = ["Message", "ForbiddenCall", "CappedWriter", "Tracer", "learner_frame", "describe_line", "is_learner_file", "TAG_STRIDE",
            "FORBIDDEN_BUILTINS", "forbidden_description"]
@@ -179,7 +179,7 @@ def _course_lib_function(forbidden_modules) -> str | None:
     return found
 
 
-_CHECKS_FILE = os.path.join(_COURSE_LIB_DIR, "_checks.py")
+_CHECKS_FILE = os.path.join(_COURSE_LIB_DIR, "runtime.py")
 
 
 def _called_from_checks() -> bool:
@@ -292,11 +292,11 @@ class Tracer:
             self.unmatched = True     # one slot for one thread: a second thread's wait would hide the first's state
         self._entries += 1
         self.blocked = (call, peer, description, learner_frame(sys._getframe(2)), self._entries, match)
-        if _rankstate.is_active():
-            _rankstate.set_blocked(description)
+        if runtime.has_slot():
+            runtime.set_blocked(description)
         yield
         self.blocked = None
-        _rankstate.clear()
+        runtime.clear_blocked()
 
     @contextlib.contextmanager
     def failures_unmatch(self):

@@ -40,7 +40,7 @@ Limits, on purpose:
 * Only the communication thread sends or receives while a step is in flight. `course_lib.traffic`
   labels and the launcher's "blocked in" line are module globals, one per process; they stay right
   because nobody else communicates meanwhile.
-* The ranks agree on the bucket plan once, before training (`course_lib._checks.agree`); the bucket
+* The ranks agree on the bucket plan once, before training (`course_lib.runtime.agree`); the bucket
   all-reduces then run without the per-call agreement (it would add one small exchange of every rank's arguments per bucket).
 * A parameter that gets no gradient in a step (unused in the forward pass) holds its bucket back
   until backward ends; its gradient counts as zero, as in today's trainer.
@@ -64,8 +64,7 @@ from typing import Callable
 
 import torch
 
-from course_lib import _checks, traffic
-from course_lib import rank_clock as _clock
+from course_lib import runtime, traffic
 from course_lib import allreduce as allreduce_variants
 
 __all__ = ["Bucket", "BucketTiming", "StepTimeline", "plan_buckets", "GradientBuckets", "MIB"]
@@ -229,10 +228,10 @@ class GradientBuckets:
     def _agree(self, name):
         """Every rank must cut the same buckets and reduce them the same way, or gloo mixes messages up."""
         sizes = ",".join(str(b.numel) for b in self.buckets)
-        names = {_checks.name_code(known): repr(known) for known in allreduce_variants.VARIANTS}
-        _checks.agree("train_data_parallel(bucket_mb=..., overlap=...)",
-                      {"number of buckets": len(self.buckets), "bucket sizes": _checks.name_code(sizes),
-                       "overlap": int(self.overlap), "allreduce": _checks.name_code(name)},
+        names = {runtime.name_code(known): repr(known) for known in allreduce_variants.VARIANTS}
+        runtime.agree("train_data_parallel(bucket_mb=..., overlap=...)",
+                      {"number of buckets": len(self.buckets), "bucket sizes": runtime.name_code(sizes),
+                       "overlap": int(self.overlap), "allreduce": runtime.name_code(name)},
                       same=("number of buckets", "bucket sizes", "overlap", "allreduce"), device=self.buffer.device,
                       describe={"bucket sizes": lambda code: f"plan #{code}",
                                 "allreduce": lambda code: names.get(code, f"a function (#{code})")})
@@ -267,7 +266,7 @@ class GradientBuckets:
             if not hooked:
                 self._fill(i)
         self._in_step = True
-        self._t0 = _clock.clock()
+        self._t0 = runtime.clock()
         if self.overlap:
             with self._lock:
                 self._launch_ready()   # a bucket of frozen parameters only is ready at once
@@ -290,23 +289,23 @@ class GradientBuckets:
         """Hand over every bucket that is complete and whose predecessors are launched (lock held)."""
         while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
             k = self._launched
-            self._timings[k].ready = _clock.clock() - self._t0
+            self._timings[k].ready = runtime.clock() - self._t0
             self._launched += 1
             if self.overlap:
                 self._hand_over(k)
 
     def _hand_over(self, k) -> None:
         """Queue bucket k (or None: stop) for the communication thread, with this thread's clock (lock held)."""
-        self._queue.append((k, _clock.now()))
-        _clock.wake(self._thread)
+        self._queue.append((k, runtime.now()))
+        runtime.wake(self._thread)
         self._lock.notify_all()
 
     def _reduce(self, k: int) -> None:
         timing = self._timings[k]
-        timing.start = _clock.clock() - self._t0
-        with traffic.record() as recording, _checks.unchecked():   # agreed on once, in __init__
+        timing.start = runtime.clock() - self._t0
+        with traffic.record() as recording, runtime.unchecked():   # agreed on once, in __init__
             self._allreduce(self._slice(self.buckets[k]), "sum")
-        timing.end = _clock.clock() - self._t0
+        timing.end = runtime.clock() - self._t0
         timing.bytes_sent, timing.bytes_received = recording.bytes_sent, recording.bytes_received
         timing.messages_sent = recording.messages_sent
 
@@ -314,11 +313,11 @@ class GradientBuckets:
         """The communication thread: reduce buckets in the order they are handed over, forever."""
         while True:
             with self._lock:
-                _clock.idle(self._lock, lambda: bool(self._queue))
+                runtime.idle(self._lock, lambda: bool(self._queue))
                 k, handed_over = self._queue.popleft()
             if k is None:
                 return
-            _clock.catch_up(handed_over)     # the bucket was not ready before the training thread handed it over
+            runtime.catch_up(handed_over)     # the bucket was not ready before the training thread handed it over
             try:
                 self._reduce(k)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
@@ -332,8 +331,8 @@ class GradientBuckets:
 
     def _wake_trainer(self) -> None:
         """(lock held) The training thread may be waiting in finish(): its clock follows this thread's."""
-        self._comm_end = _clock.now()
-        _clock.wake(self._waiter)
+        self._comm_end = runtime.now()
+        runtime.wake(self._waiter)
         self._lock.notify_all()
 
     def finish(self) -> tuple[torch.Tensor, list[BucketTiming]]:
@@ -351,17 +350,17 @@ class GradientBuckets:
                         self._pending[self._bucket_of[i]] -= 1
                 self._launch_ready()
                 self._waiter = threading.current_thread()
-                _clock.idle(self._lock, lambda: self._done >= len(self.buckets) or self._error is not None)
+                runtime.idle(self._lock, lambda: self._done >= len(self.buckets) or self._error is not None)
                 self._waiter = None
                 end = self._comm_end
-            _clock.catch_up(end)          # the step's gradients are reduced when the last bucket is
+            runtime.catch_up(end)          # the step's gradients are reduced when the last bucket is
             if self._error is not None:
                 raise RuntimeError(f"the all-reduce of a gradient bucket failed on the communication thread: "
                                    f"{self._error!r}") from self._error
         else:
             for i in range(len(self.params)):
                 self._fill(i)
-            ready = _clock.clock() - self._t0
+            ready = runtime.clock() - self._t0
             for k in range(len(self.buckets)):
                 self._timings[k].ready = ready
                 self._reduce(k)

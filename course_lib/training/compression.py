@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from course_lib import _checks, collectives
+from course_lib import collectives, runtime
 from course_lib import allreduce as allreduce_variants
 
 __all__ = ["LowPrecisionState", "low_precision_hook", "PowerSGDState", "powersgd_hook", "TopKState", "topk_hook",
@@ -77,7 +77,7 @@ def _world():
 
 
 def _allreduce(tensor, variant="ring"):
-    with _checks.unchecked():          # the ranks' buckets agree: DDP (or the trainer) built them the same way
+    with runtime.unchecked():          # the ranks' buckets agree: DDP (or the trainer) built them the same way
         allreduce_variants.get(variant)(tensor, "sum")
 
 
@@ -182,14 +182,14 @@ def low_precision_hook(state: LowPrecisionState, bucket: dist.GradBucket) -> tor
     low[:numel] = buffer                                              # rounding 1: to 16 bits
     outgoing = list(low.split(piece))
     incoming = [torch.empty(piece, dtype=state.dtype, device=buffer.device) for _ in range(world_size)]
-    with _checks.unchecked():
+    with runtime.unchecked():
         collectives.all_to_all(incoming, outgoing)
     total = incoming[0].float()
     for j in range(1, world_size):                                    # float32 sum, rank order
         total += incoming[j].float()
     mean = (total / world_size).to(state.dtype)                      # rounding 2: the mean, to 16 bits
     gathered = list(low.split(piece))
-    with _checks.unchecked():
+    with runtime.unchecked():
         collectives.all_gather(gathered, mean)
     buffer.copy_(low[:numel])
     state.calls += 1
@@ -414,7 +414,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         state.error_dict[index] = error
     payload = torch.cat([values, chosen.to(torch.int32).view(torch.float32)])
     gathered = [torch.empty_like(payload) for _ in range(world_size)]
-    with _checks.unchecked():
+    with runtime.unchecked():
         collectives.all_gather(gathered, payload)
     buffer.zero_()
     for piece in gathered:                                   # rank order: the same bits on every rank

@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import _checks
 from course_lib import allreduce as allreduce_variants
-from course_lib import rank_clock as _clock
+from course_lib import runtime
 from course_lib import collectives, traffic
 from course_lib.training import sharding
 from course_lib.training.buckets import MIB, BucketTiming, GradientBuckets, StepTimeline
@@ -242,7 +241,7 @@ def _checked_on_first_call(reduce_in_place):
     def reduce(tensor, op):
         nonlocal checked
         if checked:
-            with _checks.unchecked():
+            with runtime.unchecked():
                 return reduce_in_place(tensor, op)
         result = reduce_in_place(tensor, op)
         checked = True
@@ -477,17 +476,17 @@ def _check_hook(comm_hook, comm_hook_state, bucket_mb, overlap, sharded):
 
 def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded, hook=None):
     """Steps 2 to 4 on this rank, timed: forward, backward (+ buckets), gradient average, update."""
-    t_start = _clock.clock()
+    t_start = runtime.clock()
     optimizer.zero_grad()
     loss, loss_sum = None, 0.0
     if data is not None:
         loss = _local_loss(model, loss_fn, *data)                                         # part 2
         loss_sum = loss.item() * count
     # Time zero of the step's timeline: the start of backward (the buckets count from the same instant).
-    t_backward = buckets.start_step(count, loss_sum) if buckets is not None else _clock.clock()
+    t_backward = buckets.start_step(count, loss_sum) if buckets is not None else runtime.clock()
     if loss is not None:
         loss.backward()
-    t_backward_end = _clock.clock()
+    t_backward_end = runtime.clock()
     if buckets is not None:                                                              # part 3
         buffer, bucket_timings = buckets.finish()
         total, global_loss = apply_reduced_gradient(model, buffer)
@@ -498,9 +497,9 @@ def _one_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, 
             else:
                 total, global_loss = average_gradients(model, count, loss_sum, reduce_in_place)
         bucket_timings = [_after_backward_timing(model, t_backward, t_backward_end, recording)]
-    t_reduced = _clock.clock()
+    t_reduced = runtime.clock()
     optimizer.step()                                                                      # part 4
-    t_end = _clock.clock()
+    t_end = runtime.clock()
     timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
                             communication_done=t_reduced - t_backward if buckets is None else
                             max(b.end for b in bucket_timings),
@@ -513,7 +512,7 @@ def _after_backward_timing(model, t_backward, t_backward_end, recording, numel=N
     numel = sum(p.numel() for p in model.parameters()) + 2 if numel is None else numel
     element = next(model.parameters()).element_size()
     after = t_backward_end - t_backward
-    return BucketTiming(0, numel, numel * element, ready=after, start=after, end=_clock.clock() - t_backward,
+    return BucketTiming(0, numel, numel * element, ready=after, start=after, end=runtime.clock() - t_backward,
                         bytes_sent=recording.bytes_sent, bytes_received=recording.bytes_received,
                         messages_sent=recording.messages_sent)
 
@@ -521,16 +520,16 @@ def _after_backward_timing(model, t_backward, t_backward_end, recording, numel=N
 def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place, sharded, hook):
     """Steps 2 to 4 with a DDP communication hook averaging the gradients (see `train_data_parallel`)."""
     state, hook_fn = hook
-    t_start = _clock.clock()
+    t_start = runtime.clock()
     optimizer.zero_grad()
     loss, loss_sum = None, 0.0
     if data is not None:
         loss = _local_loss(model, loss_fn, *data)
         loss_sum = loss.item() * count
-    t_backward = _clock.clock()
+    t_backward = runtime.clock()
     if loss is not None:
         loss.backward()
-    t_backward_end = _clock.clock()
+    t_backward_end = runtime.clock()
     # One bucket laid out as DDP's is after its first step: last parameter first.
     params = list(model.parameters())[::-1]
     gradient = flat_gradient(params)
@@ -546,9 +545,9 @@ def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place,
     for p, value in zip(params, HookBucket(averaged, params).gradients()):
         p.grad = value.clone()
     timing = _after_backward_timing(model, t_backward, t_backward_end, recording, numel=gradient.numel())
-    t_reduced = _clock.clock()
+    t_reduced = runtime.clock()
     optimizer.step()
-    t_end = _clock.clock()
+    t_end = runtime.clock()
     timeline = StepTimeline(step=0, forward=t_backward - t_start, backward=t_backward_end - t_backward,
                             communication_done=t_reduced - t_backward, optimizer=t_end - t_reduced,
                             total=t_end - t_start, buckets=[timing])
@@ -557,7 +556,7 @@ def _hook_step(model, optimizer, loss_fn, data, count, buckets, reduce_in_place,
 
 def _layered_step(model, sharded_model, loss_fn, data, count, buckets, reduce_in_place, sharded, hook):
     """Steps 2 to 4 with a `zero_sharded.ShardedDataParallel`: its hooks communicate during forward and backward."""
-    t_start = _clock.clock()
+    t_start = runtime.clock()
     sharded_model.zero_grad()
     sharded_model.begin_step(count)
     loss, loss_sum = None, 0.0
@@ -566,14 +565,14 @@ def _layered_step(model, sharded_model, loss_fn, data, count, buckets, reduce_in
             loss = _local_loss(model, loss_fn, *data)
             loss_sum = loss.item() * count
         total, global_loss = sharded_model.start_step(count, loss_sum)
-        t_backward = _clock.clock()
+        t_backward = runtime.clock()
         if loss is not None:
             loss.backward()
-        t_backward_end = _clock.clock()
+        t_backward_end = runtime.clock()
         sharded_model.finish_gradients()
-        t_reduced = _clock.clock()
+        t_reduced = runtime.clock()
         sharded_model.step()
-    t_end = _clock.clock()
+    t_end = runtime.clock()
     timing = BucketTiming(0, 0, 0, ready=t_backward_end - t_backward, start=0.0, end=t_reduced - t_backward,
                           bytes_sent=recording.bytes_sent, bytes_received=recording.bytes_received,
                           messages_sent=recording.messages_sent)

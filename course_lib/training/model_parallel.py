@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import p2p, traffic
-from course_lib import rank_clock as _clock
+from course_lib import runtime
 from course_lib.training import sharding
 from course_lib.training.data_parallel import _dataset_len, flat_parameters, take_batch
 
@@ -137,25 +137,25 @@ def train_model_parallel(stage: nn.Module, optimizer: torch.optim.Optimizer, dat
                 # Forward: my input is the batch (rank 0) or the previous stage's activations.
                 with traffic.phase("forward"):
                     received = inputs if first else _recv_activation(rank - 1, device).requires_grad_(True)
-                    start = _clock.clock()
+                    start = runtime.clock()
                     output = stage(received)
                     if last:
                         loss = loss_fn(output, targets)
-                    log.timeline.append((step, "forward", start, _clock.clock()))
+                    log.timeline.append((step, "forward", start, runtime.clock()))
                     if not last:
                         _send_activation(output, rank + 1)
                 # Backward: start from the loss (last rank) or from the gradient the next stage sent.
                 with traffic.phase("backward"):
                     if last:
-                        start = _clock.clock()
+                        start = runtime.clock()
                         loss.backward()
                         log.losses.append(loss.item())
                     else:
                         grad_output = torch.empty_like(output)
                         p2p.recv(grad_output, rank + 1)
-                        start = _clock.clock()
+                        start = runtime.clock()
                         output.backward(grad_output)
-                    log.timeline.append((step, "backward", start, _clock.clock()))
+                    log.timeline.append((step, "backward", start, runtime.clock()))
                     if not first:
                         p2p.send(received.grad.contiguous(), rank - 1)
                 if optimizer is not None:

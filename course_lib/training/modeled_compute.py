@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from course_lib import rank_clock as _clock
+from course_lib import runtime
 
 __all__ = ["ComputeDelay", "with_compute_delays", "linear_flops", "model_flops", "with_flops_compute", "flop_compute",
            "FlopClock"]
@@ -68,13 +68,13 @@ class _Delay(torch.autograd.Function):
     def forward(ctx, tensor, forward_s, backward_s):
         ctx.backward_s = backward_s
         if forward_s > 0:
-            _clock.compute(forward_s)
+            runtime.compute(forward_s)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.backward_s > 0:
-            _clock.compute(ctx.backward_s)
+            runtime.compute(ctx.backward_s)
         return grad, None, None
 
 
@@ -194,7 +194,7 @@ class FlopClock(TorchDispatchMode):
             flops = count(*args, **kwargs, out_val=out) * self.scale
             if flops:
                 self.flops += flops
-                _clock.compute(flops / self.peak_flops)
+                runtime.compute(flops / self.peak_flops)
         return out
 
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import p2p
-from course_lib import rank_clock as _clock
+from course_lib import runtime
 from course_lib.training import sharding
 from course_lib.training.data_parallel import (_check_model, _dataset_len, _local_loss, flat_gradient,
                                                  set_flat_gradient, take_batch)
@@ -202,16 +202,16 @@ def _work(model, dataset, loss_fn, batches, delay) -> WorkerLog:
         accepted = False
         while not accepted:
             if delay:
-                _clock.compute(delay)
+                runtime.compute(delay)
             model.zero_grad()
             loss = _local_loss(model, loss_fn, *take_batch(dataset, batch, device))
             loss.backward()
             push[:-_PUSH_EXTRA] = flat_gradient(model)
             push[-_PUSH_EXTRA:] = torch.tensor([version, loss.item() * len(batch), len(batch)])
-            start = _clock.clock()
+            start = runtime.clock()
             p2p.send(push, 0, tag=PUSH_TAG)
             p2p.recv(reply, 0, tag=REPLY_TAG)
-            log.waited += _clock.clock() - start
+            log.waited += runtime.clock() - start
             _load_flat(model, reply[:-_REPLY_EXTRA])
             stop = bool(reply[-1].item())
             if stop:                          # training is over; this last gradient was not used
@@ -263,13 +263,13 @@ def _serve(model, optimizer, dataset, loss_fn, workers, rounds, mode, max_stalen
         log.staleness.append(staleness)
         log.worker.append(worker)
         log.batch_loss.append(batch_loss)
-        log.time.append(_clock.clock() - start)
+        log.time.append(runtime.clock() - start)
         if evaluate:
             log.loss.append(_full_loss(model, dataset, loss_fn, device))
 
     if evaluate:
         log.initial_loss = _full_loss(model, dataset, loss_fn, device)
-    start = _clock.clock()
+    start = runtime.clock()
     _wait_all([reply_to(w, True, wait=False) for w in range(1, workers + 1)])    # everyone's first pull
     push = torch.empty(size + _PUSH_EXTRA, dtype=params.dtype, device=device)
     if mode == "sync":

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import _checks, collectives
+from course_lib import collectives, runtime
 from course_lib.allreduce import chunk_sizes
 from course_lib.training.data_parallel import flat_gradient
 
@@ -105,9 +105,9 @@ class ShardedOptimizer:
         self.params = params
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         numel = sum(p.numel() for p in params) if problem is None else -1
-        dtype = _checks.dtype_code(params[0].dtype) if problem is None else -1
+        dtype = runtime.dtype_code(params[0].dtype) if problem is None else -1
         # Every rank must cut the same vector, or the pieces of the collectives would not fit.
-        _checks.agree("ShardedOptimizer", {"numel": numel, "dtype": dtype}, same=("numel", "dtype"), problem=problem,
+        runtime.agree("ShardedOptimizer", {"numel": numel, "dtype": dtype}, same=("numel", "dtype"), problem=problem,
                       describe={"numel": lambda n: f"{n} parameter elements"})
         self.numel = numel
         self.shard_sizes = chunk_sizes(numel, self.world_size)

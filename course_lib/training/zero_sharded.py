@@ -63,8 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import _checks, collectives
-from course_lib import rank_clock as _clock
+from course_lib import collectives, runtime
 from course_lib import allreduce as allreduce_variants
 from course_lib.training.memory import MemoryCensus, optimizer_tensors
 
@@ -194,8 +193,8 @@ class ShardedDataParallel:
         problem = _check_model(model)
         units = _units(model) if problem is None else []
         plan = ",".join(str(u[2]) for u in units) + f"|{allreduce}"
-        _checks.agree("ShardedDataParallel",
-                      {"stage": stage, "prefetch": int(prefetch), "layers": len(units), "plan": _checks.name_code(plan)},
+        runtime.agree("ShardedDataParallel",
+                      {"stage": stage, "prefetch": int(prefetch), "layers": len(units), "plan": runtime.name_code(plan)},
                       same=("stage", "prefetch", "layers", "plan"), problem=problem,
                       describe={"plan": lambda code: f"layer sizes and all-reduce #{code}"})
         from course_lib.training.data_parallel import broadcast_parameters   # one layer up: imported when used
@@ -279,11 +278,11 @@ class ShardedDataParallel:
         unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
         unit.gathered = True
         pieces = list(unit.flat.split(unit.piece))
-        with _checks.unchecked():                 # the layout was agreed on once, in __init__
+        with runtime.unchecked():                 # the layout was agreed on once, in __init__
             return collectives.all_gather(pieces, unit.store, async_op=async_op)
 
     def _ensure_gathered(self, unit: Unit) -> None:
-        t0 = _clock.clock()
+        t0 = runtime.clock()
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
@@ -309,7 +308,7 @@ class ShardedDataParallel:
                                "gathers each layer once per forward, so a layer must not be called twice (no "
                                "weight sharing between calls).")
         self._ensure_gathered(unit)
-        unit.t_start = _clock.clock()
+        unit.t_start = runtime.clock()
         self._prefetch(self.units[unit.index + 1] if unit.index + 1 < len(self.units) else None)
 
     def _after_forward(self, unit: Unit, output) -> None:
@@ -335,7 +334,7 @@ class ShardedDataParallel:
             self._ensure_gathered(unit)
             self._prefetch(self.units[unit.index - 1] if unit.index > 0 else None)
         self._new_grad_buffer(unit)
-        unit.t_start = _clock.clock()
+        unit.t_start = runtime.clock()
         self._count(f"layer {unit.index} backward starts")
 
     # ------------------------------------------------------------------------------- the gradients
@@ -367,13 +366,13 @@ class ShardedDataParallel:
         return unit.grad
 
     def _reduce(self, unit: Unit) -> None:
-        t0 = _clock.clock()
+        t0 = runtime.clock()
         self._calls.append(("reduce", unit.index))
         grad = self._collect_grad(unit)
         self._count(f"layer {unit.index} gradient ready")
         grad.mul_(self._local_count)                            # sum_r count_r grad_r / total: the global mean
         start, stop = unit.mine
-        with _checks.unchecked():
+        with runtime.unchecked():
             if self.stage == 0:
                 self._allreduce(grad, "sum")
                 grad.div_(self.total)
@@ -428,7 +427,7 @@ class ShardedDataParallel:
         if self._in_step:
             raise RuntimeError("begin_step() called twice without step() in between")
         if self.stage == 3 and getattr(self, "_recorded", None) is None and count is not None:
-            table = _checks.agree("ShardedDataParallel", {"samples": int(count > 0)})
+            table = runtime.agree("ShardedDataParallel", {"samples": int(count > 0)})
             empty = [r for r, row in enumerate(table) if not row["samples"]]
             if empty:
                 raise RuntimeError(f"rank(s) {empty} have no samples in the first step, so they cannot know the order "
@@ -437,7 +436,7 @@ class ShardedDataParallel:
         self._in_step = True
         self._forward_ran = self._backward_ran = False
         self._calls = []
-        self._t0 = _clock.clock()
+        self._t0 = runtime.clock()
         if self.record_events:
             self.events.append([])
         for unit in self.units:
@@ -473,7 +472,7 @@ class ShardedDataParallel:
                 self._free_params(self.units[index])
         self._calls.append(("stats", -1))
         stats = torch.tensor([loss_sum, count], dtype=self.units[0].flat.dtype, device=self.units[0].flat.device)
-        with _checks.unchecked():
+        with runtime.unchecked():
             self._allreduce(stats, "sum")
         total_loss, total = stats.tolist()
         self.total = int(round(total))
@@ -529,11 +528,11 @@ class ShardedDataParallel:
             raise RuntimeError("step() before any gradient: call begin_step(), forward, start_step(count, loss_sum), "
                                "backward and finish_gradients() first (train_data_parallel does).")
         self.finish_gradients()
-        t0 = _clock.clock()
+        t0 = runtime.clock()
         self.optimizer.step()
         self._count("after optimizer step")
         if self.stage in (1, 2):
-            with _checks.unchecked():
+            with runtime.unchecked():
                 for unit in self.units:
                     self._calls.append(("gather after step", unit.index))
                     pieces = list(unit.flat.split(unit.piece))
@@ -577,7 +576,7 @@ class ShardedDataParallel:
 
     def _event(self, kind: str, unit: Unit | None, t0: float) -> None:
         if self.record_events and self.events:
-            end = _clock.clock()
+            end = runtime.clock()
             self.events[-1].append(StepEvent(kind, -1 if unit is None else unit.index, t0 - self._t0, end - self._t0))
 
     def step_calls(self) -> list:

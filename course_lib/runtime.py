@@ -1,36 +1,252 @@
-"""Agree before communicating: every rank checks that all ranks called a collective the same way.
+"""What runs inside a rank beside the algorithms: its clock, what it is blocked in, its queued async work, and
+the cross-rank agreement that starts every collective.
 
-gloo cannot tell a learner "rank 2 passed 5 elements and rank 0 passed 4": a longer message than the
-receive buffer aborts the receiving process, a shorter one silently fills only part of it (a wrong
-answer), and a rank that raised early leaves its partners waiting forever. So before an algorithm
-sends anything, each rank shares a few integers describing its call (is my input valid, how many
-elements, which dtype, which root, which op) with every other rank, and every rank raises the same
-clear error if they disagree.
+The algorithms (`p2p`, `collectives`, `allreduce`, `fast_allreduce`) call into this module at two places only:
+a collective starts with `prepare(...)`, and a blocking p2p call tells `set_blocked(...)` what it waits for.
+Everything a learner benefits from without reading it lives here, in four parts:
 
-This guard is not part of the algorithms being taught: it shares one small int64 tensor with the
-built-in collectives (`_share`: a gather and a broadcast, or one all_gather with 2 ranks) and is not
-counted by `course_lib.traffic`. `unchecked()`
-switches it off (the benchmarks do, so they time only the algorithm); a rank's own bad argument is
-still reported.
-
-`prepare` is where every collective and all-reduce variant starts, so it is also where a call waits
-for this rank's queued async collectives (`_work.drain`): the ranks then run their collectives in
-the order they called them.
+1. **The clock** (`clock`, `compute`, ...: `course_lib.clock()`). This machine's `time.perf_counter()`, or,
+   under ``launch(fn, G, network=net)``, the rank's modeled clock: `course_lib.modeled_clock` sets `_state`,
+   and every function here asks that state instead. The modeled clock sits above the algorithms (a layer of
+   the rank's process group, `course_lib.backend`); this module imports none of it.
+2. **The blocked-call slot.** The launcher gives each rank a small shared file. Before every call that can
+   block, p2p writes one line into it ("recv(src=1, shape=(4,), dtype=float32)") and clears it afterwards;
+   a launch that times out reads every rank's line and says who waited for whom. A second line holds the
+   rank's progress (`course_lib.progress`). Outside a launched rank every call here is a no-op.
+3. **Queued async collectives** (`drain`). `course_lib._work` runs ``async_op=True`` collectives on a worker
+   thread; a synchronous call first waits for the ones queued before it, so every rank runs its collectives
+   in the order it called them.
+4. **Agree before communicating** (`prepare`, `agree`). gloo cannot tell a learner "rank 2 passed 5 elements
+   and rank 0 passed 4": a longer message than the receive buffer aborts the receiving process, a shorter
+   one silently fills only part of it, and a rank that raised early leaves its partners waiting forever. So
+   before an algorithm sends anything, each rank shares a few integers describing its call (is my input
+   valid, how many elements, which dtype, which root, which op) with every other rank, and every rank raises
+   the same clear error if they disagree. This guard is not part of the algorithms being taught: it shares
+   one small int64 tensor with the built-in collectives (`_share`) and is not counted by
+   `course_lib.traffic`. `unchecked()` switches it off (the benchmarks do, so they time only the algorithm);
+   a rank's own bad argument is still reported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
+import os
 import threading
+import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from course_lib import _rankstate, _work, ops
-from course_lib import rank_clock as _clock
+from course_lib import ops
 
-__all__ = ["MismatchError", "agree", "prepare", "unchecked", "checking", "dtype_code", "metadata_device"]
+__all__ = ["clock", "now", "compute", "catch_up", "active", "current_network", "untimed", "idle", "wake",
+           "has_slot", "set_blocked", "clear_blocked", "set_progress", "drain",
+           "MismatchError", "agree", "prepare", "unchecked", "checking", "is_checking", "dtype_code",
+           "metadata_device", "name_code", "not_a_rank"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. The clock a rank reads
+# --------------------------------------------------------------------------------------------------
+#
+# Outside a modeled launch `clock()` is `time.perf_counter()` and `compute(s)` sleeps.
+
+_state = None              # the rank's modeled clock (`modeled_clock._RankState`) while one is active
+_local = threading.local()  # per thread: the modeled link, and whether its collectives are untimed
+
+
+def clock() -> float:
+    """Seconds on this thread's clock: modeled time since the launch began under a modeled network,
+    `time.perf_counter()` otherwise (then only differences mean anything)."""
+    state = _state
+    return time.perf_counter() if state is None else state.now()
+
+
+now = clock
+
+
+def compute(seconds: float) -> None:
+    """Spend `seconds` of compute: on the modeled clock it moves this thread's clock on (and costs no real
+    time); otherwise it sleeps, as a rank waiting for its accelerator would."""
+    if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0
+            and math.isfinite(seconds)):
+        raise ValueError(f"compute(seconds) takes a number of seconds >= 0, got {seconds!r}")
+    state = _state
+    if state is not None:
+        state.compute(seconds)
+    elif seconds > 0:
+        time.sleep(seconds)
+
+
+def catch_up(moment: float) -> None:
+    """This thread's clock becomes at least `moment` (a time another thread read with `now()`): the work it
+    takes over could not start before then. A no-op outside a modeled launch."""
+    state = _state
+    if state is not None:
+        state.catch_up(moment)
+
+
+def active() -> bool:
+    """True inside a rank of a launch under a modeled network."""
+    return _state is not None
+
+
+def current_network():
+    """The `Network` (or `Cluster`) this rank's clock models, or None."""
+    state = _state
+    return None if state is None else state.network
+
+
+@contextlib.contextmanager
+def untimed():
+    """torch.distributed collectives inside cost nothing on the modeled clock (the clocks only line up):
+    for course_lib's own bookkeeping, such as its cross-rank argument check, which is not part of the
+    algorithm being timed."""
+    previous = getattr(_local, "untimed", False)
+    _local.untimed = True
+    try:
+        yield
+    finally:
+        _local.untimed = previous
+
+
+def idle(condition: threading.Condition, predicate, timeout: float = 0.05) -> None:
+    """``condition.wait_for(predicate)`` for a thread that waits for another thread of its rank.
+
+    Call it with `condition` held, as `wait_for`. Under a modeled clock the thread tells the simulation
+    that it waits (so the simulation goes on without it) until the thread that makes `predicate` true
+    calls `wake(this thread)` with `condition` held. Afterwards the waiter calls `catch_up(t)` with the time
+    the giver left with the work."""
+    state = _state
+    if state is None:
+        condition.wait_for(predicate)
+    else:
+        state.idle(condition, predicate, timeout)
+
+
+def wake(thread: threading.Thread | None) -> None:
+    """Tell the simulation that `thread` (of this rank) has work now, at this thread's clock. Call it with the
+    condition `thread` waits on (`idle`) held, after making its predicate true."""
+    state = _state
+    if state is not None and thread is not None:
+        state.wake(thread)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. What this rank is blocked in, readable by the launcher from outside the process
+# --------------------------------------------------------------------------------------------------
+
+SLOT_BYTES = 512       # the blocked-call line
+PROGRESS_BYTES = 256   # the progress line, right after it
+_FILE_BYTES = SLOT_BYTES + PROGRESS_BYTES
+
+_slot: mmap.mmap | None = None     # this rank's mapped slot file, while a launch runs it
+
+
+def create_slot_file(path: str) -> None:
+    """Make the zero-filled file a rank will map (called by the launcher, before the rank starts)."""
+    with open(path, "wb") as f:
+        f.write(b"\0" * _FILE_BYTES)
+
+
+def attach(path: str) -> None:
+    """Map this rank's slot file; from now on `set_blocked` writes into it."""
+    global _slot
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _slot = mmap.mmap(fd, _FILE_BYTES)
+    finally:
+        os.close(fd)
+
+
+def detach() -> None:
+    global _slot
+    if _slot is not None:
+        _slot.close()
+        _slot = None
+
+
+def has_slot() -> bool:
+    """True inside a rank that the launcher started (it reads the slot)."""
+    return _slot is not None
+
+
+def set_blocked(description: str) -> None:
+    """Record the call this rank is about to block in (a no-op when not under the launcher)."""
+    if _slot is None:
+        return
+    data = description.encode("utf-8", "replace")[: SLOT_BYTES - 1]
+    _slot[: len(data) + 1] = data + b"\0"
+
+
+def clear_blocked() -> None:
+    """The rank is no longer inside a blocking call."""
+    if _slot is not None:
+        _slot[0:1] = b"\0"
+
+
+def read_slot_file(path: str) -> str:
+    """The line a rank last wrote, or '' when it was not inside a blocking call."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SLOT_BYTES)
+    except OSError:
+        return ""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def set_progress(text: str) -> None:
+    """Record how far this rank's own loop has got, e.g. "epoch 3/10" ('' clears it; no-op outside a launch)."""
+    if _slot is None:
+        return
+    data = text.encode("utf-8", "replace")[: PROGRESS_BYTES - 1]
+    _slot[SLOT_BYTES: SLOT_BYTES + len(data) + 1] = data + b"\0"
+
+
+def read_progress(path: str) -> str:
+    """The progress line a rank last set, or ''."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(SLOT_BYTES)
+            raw = f.read(PROGRESS_BYTES)
+    except OSError:
+        return ""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Queued async collectives
+# --------------------------------------------------------------------------------------------------
+
+_newest_async = None       # the newest Work `_work.submit` queued: when it is done, all are
+_async_worker = None       # the thread that runs them (it never waits for its own queue)
+
+
+def drain() -> None:
+    """Wait until every async collective this rank queued has finished (errors stay with their Work).
+
+    `prepare` calls it first, so a synchronous call runs after the async ones queued before it. A no-op on
+    the worker thread itself, which runs the queue in order anyway.
+    """
+    newest = _newest_async
+    if newest is None or threading.current_thread() is _async_worker:
+        return
+    newest._wait_done()
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Agree before communicating
+# --------------------------------------------------------------------------------------------------
+
+
+def not_a_rank(name: str, peer, world_size: int) -> str | None:
+    """Why `peer` (the argument `name`: dst, src) is not a rank of a group of `world_size` ranks, or None when it is."""
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size:
+        return f"{name}={peer!r} is not a rank of this group; the ranks are 0..{world_size - 1} (world_size={world_size})."
+    return None
 
 
 class _PerThread(threading.local):
@@ -41,7 +257,7 @@ class _PerThread(threading.local):
     enabled = True
 
 
-_state = _PerThread()
+_checking = _PerThread()
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -53,17 +269,17 @@ class MismatchError(ValueError):
 
 def is_checking() -> bool:
     """Is the cross-rank agreement on in this thread? (It is unless `unchecked()` turned it off.)"""
-    return _state.enabled
+    return _checking.enabled
 
 
 @contextlib.contextmanager
 def checking(enabled: bool):
     """Turn the cross-rank agreement on or off in this thread inside the block."""
-    saved, _state.enabled = is_checking(), enabled
+    saved, _checking.enabled = is_checking(), enabled
     try:
         yield
     finally:
-        _state.enabled = saved
+        _checking.enabled = saved
 
 
 def unchecked():
@@ -153,14 +369,14 @@ def agree(call: str, fields: dict, same: tuple = (), problem: Exception | None =
         raise ValueError(f"{call}: too many fields to agree on ({len(names)})")
     values += [0] * (_row_width(world_size) - len(values))
     row = torch.tensor(values, dtype=torch.int64, device=device or metadata_device())
-    if _rankstate.is_active():  # so a launch that times out here can say which call never came
-        _rankstate.set_blocked(f"{call}'s argument check (every rank's arguments, shared with built-in collectives), "
+    if has_slot():  # so a launch that times out here can say which call never came
+        set_blocked(f"{call}'s argument check (every rank's arguments, shared with built-in collectives), "
                                f"which waits until every rank has called {call}")
     try:
-        with _clock.untimed():  # on a modeled clock the check costs nothing: it is not the algorithm being timed
+        with untimed():  # on a modeled clock the check costs nothing: it is not the algorithm being timed
             rows = _share(row, world_size).tolist()
     finally:
-        _rankstate.clear()
+        clear_blocked()
     if problem is not None:
         raise problem
     calls = [r[1] for r in rows]
@@ -237,7 +453,7 @@ def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "
         TypeError / ValueError / NotImplementedError on the rank whose own argument is wrong;
         MismatchError on every other rank (and on every rank when the ranks disagree with each other).
     """
-    _work.drain()  # this call runs after the async collectives this rank queued before it
+    drain()  # this call runs after the async collectives this rank queued before it
     problem = None
     try:
         try:
@@ -275,3 +491,16 @@ def prepare(call: str, tensor, op=NO_OP, root=None, local=None, same=("numel", "
     agree(call, fields, same=same, problem=problem, device=metadata_device(tensor if is_tensor else None),
           describe={"op": lambda i: ops.OPS[i] if 0 <= i < len(ops.OPS) else "none", "numel": str})
     return op
+
+
+def _forget_after_fork() -> None:
+    """A forked child is on no modeled clock and has no async worker (the slot stays: it is the rank's)."""
+    global _state, _newest_async, _async_worker
+    _state = None
+    _local.__dict__.clear()
+    _newest_async, _async_worker = None, None
+    ops.charge_reduction = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
