@@ -11,6 +11,7 @@ that charged nothing, or charged twice, or depended on which process ran first, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import course_lib
-from course_lib import allreduce, bench, collectives, nccl, network, p2p, schedules, simulation, torch_collectives, traffic
+from course_lib import (allreduce, bench, collectives, nccl, network, p2p, recording, schedules, simulation,
+                        torch_collectives, traffic)
 from course_lib.network import Cluster, Network, parse_bandwidth, parse_latency
 from course_lib.simulation import ModeledDeadlock, Simulator
 
@@ -176,6 +178,35 @@ def test_every_schedule_is_what_its_implementation_sends_and_receives(algorithm)
             planned = [("send" if e[0] in ("send", "isend") else "recv", e[1], e[2])
                        for e in expected[rank] if e[0] != "wait"]
             assert recorded[rank] == planned, (algorithm, g, rank)
+
+
+def _launched_messages(rank, world_size, numel, name, segment_bytes):
+    """What one rank of a real launch sends and receives in `name`'s all-reduce: (kind, peer, bytes), in order."""
+    fn = allreduce.get(name)
+    if segment_bytes is not None:
+        fn = functools.partial(fn, segment_bytes=segment_bytes)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    with traffic.record() as recording:
+        fn(tensor)
+    return [(e.kind, e.peer, e.numel * 4) for e in recording.events]
+
+
+@pytest.mark.parametrize("algorithm, segment_bytes", [(name, None) for name in sorted(set(allreduce.VARIANTS))]
+                         + [("ring_pipelined", 400)])
+def test_what_record_schedule_records_is_what_a_launch_sends_and_receives(algorithm, segment_bytes):
+    """record_schedule runs each rank's code on a process group that moves nothing: it is only right if the
+    messages it logs (peer, size, order) are the ones a real gloo launch of the same code makes."""
+    fn = allreduce.get(algorithm)
+    if segment_bytes is not None:
+        fn = functools.partial(fn, segment_bytes=segment_bytes)
+    for g in (1, 2, 3, 5, 6, 8):
+        numel = 1000 * g + 3   # no G divides it
+        launched = course_lib.launch(_launched_messages, g, args=(numel, algorithm, segment_bytes))
+        recorded = recording.record_schedule(fn, g, numel)
+        for rank in range(g):
+            logged = [("send" if e[0] in ("send", "isend") else "recv", e[1], e[2])
+                      for e in recorded[rank] if e[0] != "wait"]
+            assert launched[rank] == logged, (algorithm, g, rank)
 
 
 # --------------------------------------------------------------------------------------------------
