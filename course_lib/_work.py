@@ -86,7 +86,7 @@ class Work:
             TimeoutError if `timeout` passed first; the collective goes on, and you may wait again.
         """
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        if threading.current_thread() is _worker:
+        if threading.current_thread() is runtime._async_worker:
             raise RuntimeError(f"wait() on an async {self.call} from inside another async collective would wait forever")
         if not self._wait_done(seconds):
             raise TimeoutError(f"async {self.call} did not finish within {seconds:g} s (it is still running; "
@@ -166,8 +166,7 @@ class Work:
 # The queue and its thread. Module globals are right here: one rank is one process, and only the
 # thread that calls the collectives (normally the main thread) submits and drains.
 _queue: collections.deque = collections.deque()
-_ready = threading.Condition()
-_worker: threading.Thread | None = None
+_ready = threading.Condition()          # the worker thread itself is runtime._async_worker (drain reads it)
 _unobserved: list = []                    # finished Works whose error nobody has looked at yet
 
 
@@ -179,17 +178,16 @@ def submit(call: str, job, outputs: list) -> Work:
         job: a function of no arguments that runs the whole collective, checks included.
         outputs: the tensors it writes (what `Work.result()` returns).
     """
-    global _worker
     work = Work(call, outputs)
     with _ready:
-        if _worker is None:
-            _worker = threading.Thread(target=_run_jobs, args=(torch.get_num_threads(),),
-                                       name="course_lib-async", daemon=True)
-            _worker.start()
-            runtime._async_worker = _worker
+        if runtime._async_worker is None:
+            worker = threading.Thread(target=_run_jobs, args=(torch.get_num_threads(),),
+                                      name="course_lib-async", daemon=True)
+            worker.start()
+            runtime._async_worker = worker
         _queue.append((work, job, runtime.now()))
         runtime._newest_async = work        # what runtime.drain() waits for
-        runtime.wake(_worker)
+        runtime.wake(runtime._async_worker)
         _ready.notify()
     return work
 
@@ -243,11 +241,9 @@ def _run_jobs(threads: int) -> None:
 
 
 def _forget_after_fork() -> None:
-    """A forked child has no worker thread: start from an empty queue."""
-    global _worker
+    """A forked child has no worker thread: start from an empty queue (runtime forgets the thread itself)."""
     _queue.clear()
     _unobserved.clear()
-    _worker = None                        # (runtime forgets its own references to it)
 
 
 if hasattr(os, "register_at_fork"):
