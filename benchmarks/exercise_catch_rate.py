@@ -1,7 +1,7 @@
 """How many planted bugs the exercise checks catch, and how long checks and full grades take.
 
     python benchmarks/exercise_catch_rate.py                      # checks only
-    python benchmarks/exercise_catch_rate.py --grade --repeat 3   # and course_lib.grade on notebooks 04, 05
+    python benchmarks/exercise_catch_rate.py --grade --repeat 3   # and course_grader on notebooks 04, 05
     python benchmarks/exercise_catch_rate.py --out benchmarks/results/exercise_catch_rate.txt
     python benchmarks/exercise_catch_rate.py --part 2 --append --out benchmarks/results/exercise_catch_rate.txt
 
@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import planted_bugs  # noqa: E402
 import planted_bugs_part2  # noqa: E402
 
-from course_lib import exercises, grade  # noqa: E402
+import course_grader as grade  # noqa: E402
+from course_lib import exercises  # noqa: E402
 
 
 def _first_problem(result) -> str:
@@ -39,7 +40,7 @@ def _first_problem(result) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grade", action="store_true", help="also time course_lib.grade on notebooks 04 and 05")
+    parser.add_argument("--grade", action="store_true", help="also time course_grader on notebooks 04 and 05")
     parser.add_argument("--repeat", type=int, default=1, help="grades per notebook (median and spread)")
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--append", action="store_true", help="add the report at the end of --out, after a blank line")
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     say(f"check time with hidden cases: median {statistics.median(every):.1f} s, min {min(every):.1f} s, "
         f"max {max(every):.1f} s over {len(every)} checks (the slowest are deadlocks and endless loops)")
     if args.grade and args.part == 1:
-        say(f"\npython -m course_lib.grade, {args.repeat} run(s) per notebook (load average now "
+        say(f"\npython -m course_grader, {args.repeat} run(s) per notebook (load average now "
             f"{os.getloadavg()[0]:.1f}):")
         for folder in ("assignments", "notebooks"):
             for name in ("04_ring_scatter_reduce.ipynb", "05_ring_all_gather.ipynb"):

@@ -1,4 +1,4 @@
-"""How long `python -m course_lib.grade` takes: one student's 8 notebooks in one command, and a class of 20.
+"""How long `python -m course_grader` takes: one student's 8 notebooks in one command, and a class of 20.
 
     python benchmarks/grade_timings.py submission --all --reps 9     # every graded notebook (00-11 and 13)
     python benchmarks/grade_timings.py submission --reps 9 --quiet-load 1.5 --out /tmp/grade_00_07
@@ -6,7 +6,7 @@
     python benchmarks/grade_timings.py class --reps 3 --quiet-load 1.5 --out /tmp/grade_class   # 20 students
 
 **submission**: the 8 notebooks of one submission (00 to 07) graded by one command, as Gradescope's
-run_autograder grades them: `python -m course_lib.grade 00_....ipynb ... 07_....ipynb --json results.json`,
+run_autograder grades them: `python -m course_grader 00_....ipynb ... 07_....ipynb --json results.json`,
 which grades up to one notebook per core at a time. Two submissions, interleaved (each repetition grades both,
 in alternating order, so a change in the machine's load spreads over both): the complete, correct one
 (the solutions in notebooks/) and the empty one (the student copies in assignments/, every check "not done
@@ -14,7 +14,7 @@ yet"). Every run must score right (72/72 and 0/72); the script exits with 1 when
 goes is read from results.json's extra_data (the grader's own timings per notebook: starting the sandbox,
 running the cells, each exercise's checks, stopping).
 
-**class**: 20 synthetic students in one command, `python -m course_lib.grade --class DIR --out grades/`:
+**class**: 20 synthetic students in one command, `python -m course_grader --class DIR --out grades/`:
 each student's folder holds all 8 notebooks, student i's notebook k the solution when (i + k) % 3 != 0 and
 the empty student copy otherwise (so about two thirds done, every notebook both ways across the class). The
 run must show its progress (one line per notebook), write one results file per student and grades.csv, and
@@ -90,7 +90,7 @@ def summary(values) -> dict:
 
 def grade(args, cwd) -> tuple[float, subprocess.CompletedProcess]:
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", *map(str, args)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "course_grader", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd)
     return time.perf_counter() - started, done
 
@@ -154,7 +154,7 @@ def submission_markdown(data: dict) -> str:
     count, span = len(names), f"{names[0][:2]}-{names[-1][:2]}"
     reps, machine = data["reps"], data["machine"]
     lines = [
-        f"# How long grading one student's {count} notebooks takes: `python -m course_lib.grade`, one command",
+        f"# How long grading one student's {count} notebooks takes: `python -m course_grader`, one command",
         "",
         f"`python benchmarks/grade_timings.py submission{' --all' if data.get('all') else ''} --reps {reps}"
         + (f" --quiet-load {data['quiet']['limit']:g}`" if data["quiet"]["limit"] else "`")
@@ -291,7 +291,7 @@ def class_markdown(data: dict) -> str:
         "",
         f"`python benchmarks/grade_timings.py class --reps {reps}"
         + (f" --quiet-load {data['quiet']['limit']:g}`" if data["quiet"]["limit"] else "`")
-        + f": `python -m course_lib.grade --class DIR --out grades/` on {STUDENTS} synthetic students, each with all 8 "
+        + f": `python -m course_grader --class DIR --out grades/` on {STUDENTS} synthetic students, each with all 8 "
         "notebooks 00-07 (student i's notebook k solved when (i + k) % 3 != 0, else the empty student copy: "
         f"{data['notebooks_solved']} of {8 * STUDENTS} notebooks solved), up to one notebook per core at a time. "
         f"{reps} repetitions (a class run takes minutes; fewer than the 9 of the one-student benchmark).",

@@ -1,4 +1,4 @@
-"""python -m course_lib.grade: solution notebooks get full marks, student notebooks get 0, a submission that
+"""python -m course_grader: solution notebooks get full marks, student notebooks get 0, a submission that
 crashes half-way keeps the points of what it completed, and the command's outputs and exit status say
 what happened.
 
@@ -25,10 +25,10 @@ import time
 import nbformat
 import pytest
 
-from course_lib import grade
+import course_grader as grade
 from course_lib.exercises import registry
-from course_lib.grade import cli, judge
-from course_lib.grade.notebook import CHECK_CALL
+from course_grader import cli, judge
+from course_grader.notebook import CHECK_CALL
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (ROOT / "assignments").glob("[0-9][0-9]_*.ipynb"))  # every one with exercises
@@ -112,7 +112,7 @@ def test_the_grader_finds_each_answer_where_the_notebook_checks_it(name):
 
 
 def _run_grader(*args, cwd, timeout=900):
-    return subprocess.run([sys.executable, "-m", "course_lib.grade", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "course_grader", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
 

@@ -26,9 +26,9 @@ import nbformat
 import pytest
 
 from course_lib.exercises import registry
-from course_lib.grade import assign, batch, cells, cli, judge, results
-from course_lib.grade.notebook import MAX_CELLS, NotebookError, read_file
-from course_lib.grade.reading import read_notebook
+from course_grader import assign, batch, cells, cli, judge, results
+from course_grader.notebook import MAX_CELLS, NotebookError, read_file
+from course_grader.reading import read_notebook
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -242,7 +242,7 @@ def test_the_csv_writes_a_formula_like_name_as_text(tmp_path):
 def test_bad_arguments_say_what_was_wrong(tmp_path, args, words):
     notebook = _write(tmp_path / "06_ring_cost.ipynb", ["x = 1"])
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(notebook), *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "course_grader", str(notebook), *args], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == cli.EXIT_USAGE and words in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - started < 60

@@ -21,7 +21,7 @@ import pytest
 
 from course_lib import exercises
 from course_lib.exercises import registry
-from course_lib.grade import cells, cli
+from course_grader import cells, cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -126,7 +126,7 @@ def test_a_class_of_twenty_with_copies_a_link_a_blank_copy_slips_and_a_hostile_n
     else's grade), with progress on stderr, a results file each and a CSV that opens safely."""
     expected = _class_of_twenty(tmp_path / "class")
     out = tmp_path / "grades"
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / "class"), "--out",
+    done = subprocess.run([sys.executable, "-m", "course_grader", "--class", str(tmp_path / "class"), "--out",
                            str(out), "--jobs", "2", "--memory", "1G", "--processes", "256"], capture_output=True,
                           text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == cli.EXIT_UNREADABLE, done.stderr[-3000:]         # the link was refused
@@ -159,7 +159,7 @@ def test_a_class_with_a_broken_submission_exits_3_and_grades_the_others(tmp_path
     (tmp_path / "class" / "exported" / "06_ring_cost.ipynb").write_text("<html>not a notebook</html>")
     (tmp_path / "class" / "empty").mkdir()
     out = tmp_path / "grades"
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / "class"), "--out",
+    done = subprocess.run([sys.executable, "-m", "course_grader", "--class", str(tmp_path / "class"), "--out",
                            str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == cli.EXIT_UNREADABLE, done.stderr[-2000:]
     rows = {row["submission"]: row for row in csv.DictReader((out / "grades.csv").open())}
@@ -175,7 +175,7 @@ def test_nbgrader_submitted_folders_are_graded_into_a_csv(tmp_path):
         _write_notebook(course / "submitted" / student / "ring_cost" / "06_ring_cost.ipynb", _source(answers))
     _write_notebook(course / "submitted" / "cy" / "other_assignment" / "06_ring_cost.ipynb", _source(ANSWERS[0]))
     out = tmp_path / "grades"
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", "--nbgrader", str(course), "--assignment",
+    done = subprocess.run([sys.executable, "-m", "course_grader", "--nbgrader", str(course), "--assignment",
                            "ring_cost", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == cli.EXIT_UNREADABLE        # cy submitted nothing for this assignment
     rows = {row["student_id"]: row for row in csv.DictReader((out / "nbgrader_grades.csv").open())}

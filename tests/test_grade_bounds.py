@@ -1,6 +1,6 @@
 """A class always finishes: what one submission holds can fail only that submission, in both isolation modes.
 
-One `python -m course_lib.grade --class` run per setup grades, beside an honest student, the submissions that
+One `python -m course_grader --class` run per setup grades, beside an honest student, the submissions that
 broke the judge before (the grading issue's review): JSON nested 100,000 deep, an answer of 100,000 terms,
 eleven cells of 499 shell lines each (IPython rewrites one per pass: minutes of the judge's time before any
 sandbox started), a cell error full of terminal escape codes that forges the printed table, a reply frame of
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from course_lib.grade import cli, reading
+from course_grader import cli, reading
 from test_grade_isolation import ANSWERS_06, _namespaces_or_fail, _write, clean_machine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ ESCAPES = ('raise RuntimeError("\\x1b[2K\\x1b[1A\\r\\x1b[32m' + FORGED.replace("
            '\\x1b[0m\\u202e\\x9b2J")')
 BIG_REPLY = '''
 import os, struct, sys
-from course_lib.grade import channel
+from course_grader import channel
 frame = b"[" + b"{}," * 10_000_000 + b"{}]"            # 30 MB of empty objects
 def send(fd, value):
     data = struct.pack(">I", len(frame)) + frame
@@ -86,7 +86,7 @@ def run(request):
     work = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-bounds-"))
     expected = _class(work / "class")
     out = work / "grades"
-    command = [sys.executable, "-m", "course_lib.grade", "--class", str(work / "class"), "--out", str(out),
+    command = [sys.executable, "-m", "course_grader", "--class", str(work / "class"), "--out", str(out),
                "--isolation", isolation, "--jobs", "2", "--memory", "1G", "--disk", "256M", "--processes", "256",
                "--cell-timeout", "60", "--timeout", "300"]
     if isolation == "users":
@@ -163,7 +163,7 @@ def test_the_table_a_cell_error_prints_cannot_be_forged(tmp_path):
     """One notebook, graded to the terminal: the forged rows stay inside the escaped note."""
     _namespaces_or_fail()
     notebook = _write(tmp_path / NB06, [ANSWERS_06, ESCAPES + "\ntraffic_ring = traffic_ring"])
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(notebook), "--isolation", "namespaces"],
+    done = subprocess.run([sys.executable, "-m", "course_grader", str(notebook), "--isolation", "namespaces"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "COURSE_LIB_GRADE_USER": USER})
     assert done.returncode == cli.EXIT_OK, done.stderr[-2000:]
@@ -242,7 +242,7 @@ def test_a_judge_stopped_from_outside_leaves_nothing_behind(tmp_path, isolation)
         _write(tmp_path / "class" / student / NB06, [ANSWERS_06, "import time\ntime.sleep(600)\nring_steps = ring_steps"])
 
     def start(klass="class"):
-        command = [sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / klass), "--out",
+        command = [sys.executable, "-m", "course_grader", "--class", str(tmp_path / klass), "--out",
                    str(tmp_path / "grades"), "--isolation", isolation, "--jobs", "2"]
         if isolation == "users":
             command = clean_machine(command)
@@ -293,7 +293,7 @@ def test_a_ring_that_never_returns_ends_with_the_notebooks_timeout(tmp_path, iso
     never = ("import torch, torch.distributed as dist\n\ndef ring_scatter_reduce(tensor):\n"
              "    while True:\n        pass")
     _write(tmp_path / "class" / "spinner" / "04_ring_scatter_reduce.ipynb", [never])
-    command = [sys.executable, "-m", "course_lib.grade", "--class", str(tmp_path / "class"), "--out",
+    command = [sys.executable, "-m", "course_grader", "--class", str(tmp_path / "class"), "--out",
                str(tmp_path / "grades"), "--isolation", isolation, "--timeout", "20"]
     if isolation == "users":
         command = clean_machine(command)

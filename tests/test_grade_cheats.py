@@ -31,7 +31,7 @@ import torch
 import course_lib
 
 from course_lib.exercises import registry
-from course_lib.grade import judge, sandbox
+from course_grader import judge, sandbox
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the cheats run as another user, which needs root")
@@ -66,10 +66,10 @@ CHEATS = {
         import course_lib.exercises as exercises_module
         from course_lib.exercises.report import Result
         exercises_module.check = lambda name, *a, **k: Result(name, 10.0, 10.0, "passed", [f"{name}: 10/10 points"])
-        import course_lib.grade as grade_package
+        import course_grader as grade_package
         grade_package.grade_namespace = lambda namespace, names, hidden=True: [
             {"name": n, "score": 10.0, "max_score": 10.0, "output": "full marks"} for n in names]
-        import course_lib.grade.judge as judge_copy
+        import course_grader.judge as judge_copy
         judge_copy.grade_notebook = lambda *a, **k: None
         ring_scatter_reduce = ring_scatter_reduce''',
     "prints_result_markers_and_writes_fake_frames": '''
@@ -150,8 +150,9 @@ CHEATS = {
                     pass
         ring_scatter_reduce = ring_scatter_reduce''',
     "edits_course_lib_on_disk": '''
-        import pathlib, course_lib
-        for path in pathlib.Path(course_lib.__file__).parent.rglob("*.py"):
+        import pathlib, course_lib, course_grader                     # the learner's package and the grader's kernel
+        for path in [*pathlib.Path(course_lib.__file__).parent.rglob("*.py"),
+                     *pathlib.Path(course_grader.__file__).parent.rglob("*.py")]:
             try:
                 with open(path, "a") as f:
                     f.write("\\nSCORE = 10  # a submission was here\\n")
@@ -295,7 +296,7 @@ def _processes_of(uid: int) -> list[int]:
 
 def _course_lib_digest() -> str:
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "course_lib").rglob("*.py")):
+    for path in sorted([*(ROOT / "course_lib").rglob("*.py"), *(ROOT / "course_grader").rglob("*.py")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -338,7 +339,7 @@ def test_a_cheat_cannot_forge_the_commands_results(user, tmp_path):
     """The cheat looks for the judge's --json path and writes full marks there; the judge writes after it is gone."""
     path = _notebook(tmp_path, CHEATS["writes_results_files"])
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", str(path), "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "course_grader", str(path), "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())

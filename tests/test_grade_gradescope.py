@@ -26,7 +26,7 @@ import nbformat
 import pytest
 
 from course_lib.exercises import registry
-from course_lib.grade import gradescope
+from course_grader import gradescope
 from test_grade_isolation import clean_machine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def _running(command: bytes) -> list[int]:
 def test_the_zip_pins_what_setup_installs(tmp_path):
     names = gradescope.build_autograder(tmp_path / "autograder.zip")
     assert {"setup.sh", "run_autograder", "requirements.txt", "course_lib_src/pyproject.toml",
-            "course_lib_src/course_lib/grade/judge.py"} <= set(names)
+            "course_lib_src/course_grader/judge.py"} <= set(names)
     assert not any("__pycache__" in name for name in names)
     with zipfile.ZipFile(tmp_path / "autograder.zip") as archive:
         setup = archive.read("setup.sh").decode()
@@ -100,7 +100,7 @@ def test_run_autograder_grades_the_submission_in_gradescopes_layout(isolation, t
     rubric = tmp_path / "rubric.toml"
     rubric.write_text("[ring_scatter_reduce]\nreturned = 1\nsingle = 0\n")
     zip_path = tmp_path / "autograder.zip"
-    done = subprocess.run([sys.executable, "-m", "course_lib.grade", "--gradescope-autograder", str(zip_path),
+    done = subprocess.run([sys.executable, "-m", "course_grader", "--gradescope-autograder", str(zip_path),
                            "--rubric", str(rubric)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     root = open_folder / "autograder"

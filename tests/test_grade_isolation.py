@@ -4,7 +4,7 @@
 * users: the fallback where namespaces are missing (a container without CAP_SYS_ADMIN, as on Gradescope),
   forced with --isolation users: a user of its own, one student at a time, a sweep after.
 
-Every attack is one student of one class, graded by one `python -m course_lib.grade --class` run per setup
+Every attack is one student of one class, graded by one `python -m course_grader --class` run per setup
 (`battery`), with small limits (1 GiB of memory, 256 MiB of disk, 256 processes per notebook) so the limits are
 reached fast. Each attack's cell ends by raising an error that reports what it found ("ATTACK [...]"); the
 grader notes it, which tells the test that the attack ran and what it saw. Each test then checks the attack's
@@ -37,7 +37,7 @@ import time
 import nbformat
 import pytest
 
-from course_lib.grade import sandbox
+from course_grader import sandbox
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 USER = "course_lib_battery"
@@ -380,7 +380,7 @@ EXPECTED = {     # student: (score, max_score): what the honest part earns
 
 _CLEAN = '''
 import os, subprocess, sys, tempfile
-from course_lib.grade import sandbox
+from course_grader import sandbox
 root, how, leave, command = sys.argv[1], sys.argv[2], sys.argv[3].split("\\n"), sys.argv[4:]
 
 
@@ -474,7 +474,7 @@ def battery(request):
     work = pathlib.Path(tempfile.mkdtemp(prefix="course_lib-battery-"))       # root's alone, as mktemp makes it
     klass = _class(work)
     out = work / "grades"
-    command = [sys.executable, "-m", "course_lib.grade", "--class", str(klass), "--out", str(out), "--isolation",
+    command = [sys.executable, "-m", "course_grader", "--class", str(klass), "--out", str(out), "--isolation",
                isolation, "--jobs", "2", "--memory", "1G", "--disk", "256M", "--processes", "256", "--cell-timeout",
                "60", "--timeout", "300"]
     if isolation == "users":         # the README's machine: no solution any user could read
@@ -706,17 +706,17 @@ def test_without_root_a_user_namespace_isolates_or_the_grader_refuses(tmp_path):
         def as_nobody(*args):
             return subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
                                    python, *args], capture_output=True, text=True, timeout=300, cwd=home, env=env)
-        # The warden nobody's grader runs: the one in the course_lib it imports (a mirror, when the checkout is
-        # closed to other users, as a clone under mktemp -d is).
-        probe = as_nobody(str(course_lib_dir / "grade" / "_warden.py"), "--probe", "--userns")
+        # The warden nobody's grader runs: the one in the course_grader it imports, beside course_lib (a mirror of
+        # both, when the checkout is closed to other users, as a clone under mktemp -d is).
+        probe = as_nobody(str(course_lib_dir.parent / "course_grader" / "_warden.py"), "--probe", "--userns")
         userns = probe.stdout.strip() == "ok"
-        done = as_nobody("-m", "course_lib.grade", "06_ring_cost.ipynb", "--json", "results.json")
+        done = as_nobody("-m", "course_grader", "06_ring_cost.ipynb", "--json", "results.json")
         results_text = (home / "results.json").read_text()[-2000:] if (home / "results.json").exists() else ""
         why = (f"probe {probe.returncode} {probe.stdout.strip()[-300:]!r} {probe.stderr.strip()[-300:]!r}; "
                f"stderr {done.stderr[-1500:]}; results {results_text}")
         if not userns:
             assert done.returncode == 2 and "no isolation is available" in done.stderr, why
-            done = as_nobody("-m", "course_lib.grade", "06_ring_cost.ipynb", "--json", "results.json",
+            done = as_nobody("-m", "course_grader", "06_ring_cost.ipynb", "--json", "results.json",
                              "--isolation", "none")
             assert done.returncode == 0 and "grading without isolation" in done.stderr, done.stderr[-2000:]
             return
@@ -777,7 +777,7 @@ def test_without_namespaces_a_readable_solution_anywhere_stops_the_grader(tmp_pa
         shutil.copy(ROOT / "notebooks" / "04_ring_scatter_reduce.ipynb", exposed / "my_copy.ipynb")
         (exposed / "my_copy.ipynb").chmod(0o644)
         submission = _write(tmp_path / "06_ring_cost.ipynb", [ANSWERS_06])
-        command = [sys.executable, "-m", "course_lib.grade", str(submission), "--isolation", "users"]
+        command = [sys.executable, "-m", "course_grader", str(submission), "--isolation", "users"]
         done = subprocess.run(clean_machine(command, leave=[exposed / "my_copy.ipynb"]), capture_output=True, text=True,
                               timeout=300, cwd=tmp_path,
                               env={**os.environ, "COURSE_LIB_GRADE_USER": USER})

@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from course_lib.grade import sandbox
+from course_grader import sandbox
 from test_grade_isolation import (ANSWERS_06, ROOT, STUB_04, _attack, _namespaces_or_fail, _notes, _report, _write,
                                   clean_machine)
 
@@ -121,7 +121,7 @@ def attacks(request):
     _write(klass / "nested_folder" / NB06, [ANSWERS_06, _attack(nested_attack, "traffic_ring")])
     _write(klass / "empty_files" / NB06, [ANSWERS_06, _attack(ATTACK_EMPTY_FILES, "traffic_ring")])
     out = work / "grades"
-    command = [sys.executable, "-m", "course_lib.grade", "--class", str(klass), "--out", str(out), "--isolation",
+    command = [sys.executable, "-m", "course_grader", "--class", str(klass), "--out", str(out), "--isolation",
                isolation, "--jobs", "2", "--memory", "1G", "--disk", "256M", "--processes", "256", "--cell-timeout",
                "180", "--timeout", "600"]
     # (A cell timeout well above the attacks' time: on a loaded machine /tmp on disk made ~1,000 files a second,
@@ -189,7 +189,7 @@ def test_a_checkout_closed_only_in_notebooks_and_tests_stops_the_grader(tmp_path
     gives every solved notebook to git. The grader refuses to start, names the checkout and advises chmod 700 on
     it, saying why."""
     submission = _write(tmp_path / NB06, [ANSWERS_06])
-    command = [sys.executable, "-m", "course_lib.grade", str(submission), "--isolation", "users"]
+    command = [sys.executable, "-m", "course_grader", str(submission), "--isolation", "users"]
     done = subprocess.run(clean_machine(command, close=False), capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env={**os.environ, "COURSE_LIB_GRADE_USER": USER})
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]

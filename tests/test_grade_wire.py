@@ -50,7 +50,7 @@ def test_a_record_keeps_only_what_the_judge_reads():
 
 
 def test_grading_needs_nothing_the_course_install_lacks():
-    """course_lib.grade and course_lib.exercises import only the standard library and requirements/base.txt's packages."""
+    """course_grader and course_lib.exercises import only the standard library and requirements/base.txt's packages."""
     import ast
     import pathlib
     import sys

@@ -19,6 +19,15 @@ import trace_ring  # noqa: E402
 
 def test_no_module_imports_one_that_imports_it_back():
     assert import_cycles.cycles() == []
+    assert {"course_lib.allreduce", "course_grader.judge"} <= set(import_cycles.modules())   # both packages read
+
+
+def test_the_learners_package_never_imports_the_grader():
+    known = import_cycles.modules()
+    reaches = {name: import_cycles._edges(name, path, known) for name, path in known.items()
+               if name.startswith("course_lib")}
+    assert not {name: sorted(t for t in targets if t.startswith("course_grader"))
+                for name, targets in reaches.items() if any(t.startswith("course_grader") for t in targets)}
 
 
 def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path, monkeypatch):
@@ -69,3 +78,15 @@ def test_one_ring_runs_through_few_lines_of_the_library():
     # the algorithms, their messages and labels, the reductions, and one runtime module beside them
     assert len(table) <= 5, table
     assert set(table) <= {"allreduce.py", "p2p.py", "traffic.py", "ops.py", "runtime.py"}, table
+
+
+def test_the_grader_moved_out_of_course_lib_and_the_old_name_says_where():
+    imported = subprocess.run([sys.executable, "-c", "import course_lib.grade"], capture_output=True, text=True, cwd=ROOT)
+    assert imported.returncode != 0 and "ImportError" in imported.stderr, imported.stderr
+    assert "course_grader" in imported.stderr and "pip install" in imported.stderr, imported.stderr
+    run = subprocess.run([sys.executable, "-m", "course_lib.grade", "--class", "x"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert run.returncode == 1 and "python -m course_grader" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    import course_grader
+
+    assert course_grader.__file__.startswith(os.path.join(ROOT, "course_grader"))

@@ -128,7 +128,7 @@ def test_every_rubric_line_is_tested_by_the_hidden_cases():
 def test_the_defaults_are_documented_in_one_place():
     """docs/rubric.toml is what --rubric-defaults prints, and reads back as the registry's own points."""
     path = ROOT / "docs" / "rubric.toml"
-    assert path.read_text() == rubric_file.defaults_toml(), "run: python -m course_lib.grade --rubric-defaults > docs/rubric.toml"
+    assert path.read_text() == rubric_file.defaults_toml(), "run: python -m course_grader --rubric-defaults > docs/rubric.toml"
     weights = rubric_file.load_weights(path)
     assert weights == {e.name: {line.key: float(line.points) for line in e.rubric} for e in registry.all_exercises(include_pending=True)}
 

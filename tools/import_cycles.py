@@ -1,4 +1,4 @@
-"""Import cycles in course_lib: every import, at a module's top or inside a function, is an edge.
+"""Import cycles in course_lib and course_grader: every import, at a module's top or inside a function, is an edge.
 
     python tools/import_cycles.py          # prints each cycle (its modules); exits 1 if there is one
 
@@ -16,7 +16,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def modules(package: str = "course_lib") -> dict[str, pathlib.Path]:
+PACKAGES = ("course_lib", "course_grader")      # the learner's package, and the instructor's beside it
+
+
+def modules(package: str | tuple = PACKAGES) -> dict[str, pathlib.Path]:
+    if isinstance(package, tuple):
+        return {name: path for one in package for name, path in modules(one).items()}
     found = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
@@ -61,7 +66,7 @@ def _edges(name: str, path: pathlib.Path, known: dict) -> set[str]:
     return targets
 
 
-def cycles(package: str = "course_lib") -> list[list[str]]:
+def cycles(package: str | tuple = PACKAGES) -> list[list[str]]:
     """Every strongly connected component of more than one module, sorted."""
     known = modules(package)
     graph = {name: _edges(name, path, known) for name, path in known.items()}

@@ -127,7 +127,7 @@ REFERENCE_NOTE = ("# In the instructor's copy this cell shows course_lib's own i
 def forbidden_modules(notebook, name: str = "") -> set:
     """'course_lib.allreduce', ... : the course_lib modules whose implementation the notebook's exercises ask for."""
     from course_lib.exercises import registry
-    from course_lib.grade.notebook import exercises_in
+    from course_grader.notebook import exercises_in
 
     modules = set()
     for exercise in map(registry.get, exercises_in(notebook, name)):

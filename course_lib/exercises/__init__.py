@@ -13,8 +13,8 @@ uneven lengths, ...: `rubric.py`), so code with one systematic slip keeps the po
 ``hidden=True`` adds the grader's cases (more world sizes, lengths, roots, seeds).
 
 `check` runs everything in the learner's own process: it is for learning. Grading
-(``python -m course_lib.grade``) runs the learner's code in a sandbox and judges the data that comes
-back in a process that never ran it (see course_lib/grade/).
+(``python -m course_grader``) runs the learner's code in a sandbox and judges the data that comes
+back in a process that never ran it (see course_grader/).
 
 Function exercises (the learner writes an SPMD function; `answer` is that function):
 

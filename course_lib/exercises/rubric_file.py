@@ -72,7 +72,7 @@ def load_weights(path) -> dict:
             close = difflib.get_close_matches(name, list(known), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise RubricFileError(f"{path}: there is no exercise called {name!r}.{hint} "
-                                  "`python -m course_lib.grade --rubric-defaults` lists every exercise and line.")
+                                  "`python -m course_grader --rubric-defaults` lists every exercise and line.")
         if not isinstance(lines, dict):
             raise RubricFileError(f"{path}: {name} must be a table of line = points, e.g. [{name}] then values = 2")
         keys = [line.key for line in known[name].rubric]
@@ -90,10 +90,10 @@ def load_weights(path) -> dict:
 def defaults_toml() -> str:
     """Every exercise's rubric lines with their default points, as a rubric file (docs/rubric.toml)."""
     out = ["# course_lib's rubric: every exercise's lines and their default points. Written by",
-           "# `python -m course_lib.grade --rubric-defaults`; a test keeps docs/rubric.toml equal to it.",
+           "# `python -m course_grader --rubric-defaults`; a test keeps docs/rubric.toml equal to it.",
            "#",
            "# To re-weight: copy this file, change the numbers (0 drops a line), delete what you keep as it is,",
-           "# and grade with `python -m course_lib.grade --rubric my_rubric.toml ...`. An exercise is worth the",
+           "# and grade with `python -m course_grader --rubric my_rubric.toml ...`. An exercise is worth the",
            "# sum of its lines. A family line (marked so) is about one family of cases; the others are judged on",
            "# the remaining cases; see course_lib/exercises/rubric.py for the rule.", ""]
     for exercise in registry.all_exercises(include_pending=True):

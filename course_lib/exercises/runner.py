@@ -10,7 +10,7 @@ The work is split in two, so that a grader can keep the two sides in different p
 * **judge side** (`drive`): picks the cases, computes every rank's input and the oracle (what each rank
   must end with), asks for batches, cleans what comes back (`wire.clean_record`), judges every case and
   decides what to run next. `run_function` joins the two in one process, for the learner's own check;
-  the grader (`course_lib.grade`) gives `drive` a `run_batch` that asks the sandbox.
+  the grader (`course_grader`) gives `drive` a `run_batch` that asks the sandbox.
 
 What can go wrong, and what happens:
 

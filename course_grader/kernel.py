@@ -1,6 +1,6 @@
 """The sandbox's side of grading: run a submission's cells and its learner's functions, answer with data.
 
-    python -m course_lib.grade.kernel --in FD --out FD
+    python -m course_grader.kernel --in FD --out FD
 
 The warden (`_warden.py`) starts this as the unprivileged sandbox user when the judge runs as root, always in
 a session of its own. It runs an IPython shell (the same cell semantics as a Jupyter kernel: magics,
@@ -168,12 +168,12 @@ def _answer(shell, request) -> dict:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m course_lib.grade.kernel")
+    parser = argparse.ArgumentParser(prog="python -m course_grader.kernel")
     parser.add_argument("--in", dest="fd_in", type=int, required=True)
     parser.add_argument("--out", dest="fd_out", type=int, required=True)
     args = parser.parse_args(argv)
     os.makedirs(os.environ.get("TMPDIR", "/tmp"), exist_ok=True)
-    from course_lib.grade import channel
+    from course_grader import channel
 
     from course_lib.exercises import registry, wire
 

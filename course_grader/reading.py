@@ -73,7 +73,7 @@ def read(data: bytes, name: str) -> dict:
     their source, the others with '' (grading reads no markdown); each cell's metadata only its nbgrader
     grade_id. Raises `notebook.NotebookError` as `read_notebook` documents, and 'too large' when the
     child could not read it within its limits."""
-    from course_lib.grade.notebook import NotebookError, safe_name
+    from course_grader.notebook import NotebookError, safe_name
 
     key = hashlib.sha256(data).hexdigest() + name
     with _cache_lock:
@@ -96,10 +96,10 @@ def read(data: bytes, name: str) -> dict:
 def read_notebook(path, data: bytes | None = None) -> dict:
     """The notebook at `path` as {'cells': [{'cell_type', 'source', 'metadata'}, ...], 'metadata': {}}: each code
     cell's source as a string (other cells' as ''), each cell's metadata only its nbgrader grade_id; or
-    NotebookError saying why it cannot be graded (see `course_lib.grade.notebook`). `data`: its bytes, when already
+    NotebookError saying why it cannot be graded (see `course_grader.notebook`). `data`: its bytes, when already
     read with `read_file`. The parsing runs in a child process with limits on time and memory
     (`read`): nothing in the file can cost the judge more than that."""
-    from course_lib.grade.notebook import read_file
+    from course_grader.notebook import read_file
 
     path = pathlib.Path(path)
     if data is None:
@@ -116,7 +116,7 @@ def plan(sources, answer_names, positions=None) -> tuple[list, str]:
     Raises:
         NotebookError: 'too large', naming the cell the child was reading when it ran out of time or memory.
     """
-    from course_lib.grade.notebook import NotebookError
+    from course_grader.notebook import NotebookError
 
     try:
         answer = _ask({"op": "plan", "sources": list(sources), "names": list(answer_names)})

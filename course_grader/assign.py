@@ -27,8 +27,8 @@ import pathlib
 import re
 from dataclasses import dataclass, field
 
-from course_lib.grade.notebook import NotebookError, exercises_in, exercises_of_number, read_file, safe_name
-from course_lib.grade.reading import read_notebook
+from course_grader.notebook import NotebookError, exercises_in, exercises_of_number, read_file, safe_name
+from course_grader.reading import read_notebook
 
 __all__ = ["ASSIGNMENT_CELLS", "cell_assignments", "NotebookPlan", "SubmissionPlan", "plan_submission", "plan_notebook",
            "resolve_assignment", "assignments", "RULE"]

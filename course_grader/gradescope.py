@@ -1,21 +1,21 @@
 """Gradescope: the autograder zip an instructor uploads, and what its run_autograder does.
 
-    python -m course_lib.grade --gradescope-autograder autograder.zip [--rubric rubric.toml] [--assignment 04]
+    python -m course_grader --gradescope-autograder autograder.zip [--rubric rubric.toml] [--assignment 04]
 
 writes a zip with (https://gradescope-autograders.readthedocs.io/en/latest/specs/):
 
     setup.sh          run once as root when Gradescope builds the image: a virtual environment in /opt/course_lib
                       with the CPU build of torch and the other packages at the versions installed where the zip
-                      was made, course_lib from the zip, and the unprivileged user the submissions run as
+                      was made, course_lib and course_grader from the zip, and the unprivileged user the submissions run as
     run_autograder    run as root for every submission: grades /autograder/submission/**/*.ipynb into
-                      /autograder/results/results.json (`python -m course_lib.grade --gradescope`)
-    requirements.txt  the pinned packages; course_lib_src/ course_lib itself; rubric.toml / .json if given;
+                      /autograder/results/results.json (`python -m course_grader --gradescope`)
+    requirements.txt  the pinned packages; course_lib_src/ course_lib and course_grader; rubric.toml / .json if given;
                       assignment.txt: the assignment every submission is graded against, if given
 
 At grading time the judge first makes /autograder/source, /autograder/submission and /autograder/results
 readable by root only: the submission runs on its own copy of the notebook, unable to read the autograder or
 write the results. Gradescope's container gives no namespaces, so grading there uses isolation 'users' (see
-course_lib.grade.sandbox); one container grades one submission.
+course_grader.sandbox); one container grades one submission.
 AUTOGRADER_ROOT and COURSE_LIB_PYTHON, when set, replace /autograder and /opt/course_lib/bin/python: the tests
 run the same script in a temporary folder laid out like Gradescope's.
 """
@@ -27,7 +27,7 @@ import io
 import pathlib
 import zipfile
 
-from course_lib.grade.sandbox import DEFAULT_USER
+from course_grader.sandbox import DEFAULT_USER
 
 __all__ = ["build_autograder", "prepare_root", "PINNED"]
 
@@ -64,7 +64,7 @@ for candidate in "$ROOT/source/rubric.toml" "$ROOT/source/rubric.json"; do
 done
 ASSIGNMENT=()
 [ -f "$ROOT/source/assignment.txt" ] && ASSIGNMENT=(--assignment "$(cat "$ROOT/source/assignment.txt")")
-"$PYTHON" -m course_lib.grade --gradescope --root "$ROOT" "${{RUBRIC[@]}}" "${{ASSIGNMENT[@]}}"
+"$PYTHON" -m course_grader --gradescope --root "$ROOT" "${{RUBRIC[@]}}" "${{ASSIGNMENT[@]}}"
 status=$?
 if [ ! -s "$ROOT/results/results.json" ]; then
     mkdir -p "$ROOT/results"
@@ -85,17 +85,18 @@ def _version(package: str) -> str:
 
 
 def _source_files(package_root: pathlib.Path):
-    """course_lib's files for `pip install`: the package (no caches) and a minimal pyproject."""
+    """A package's files for `pip install` (no caches, not its own pyproject): course_lib's, and this grader's."""
     for path in sorted(package_root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            yield path, pathlib.Path("course_lib_src/course_lib") / path.relative_to(package_root)
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc" and \
+                path.relative_to(package_root) != pathlib.Path("pyproject.toml"):
+            yield path, pathlib.Path("course_lib_src") / package_root.name / path.relative_to(package_root)
 
 
 def _pyproject(version: str) -> str:
     return (f'[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n\n'
             f'[project]\nname = "course_lib"\nversion = "{version}"\nrequires-python = ">=3.10"\n'
             f'dependencies = ["torch>=2.2", "cloudpickle>=2.0", "numpy>=1.22", "ipython>=8"]\n\n'
-            f'[tool.setuptools.packages.find]\ninclude = ["course_lib*"]\n')
+            f'[tool.setuptools.packages.find]\ninclude = ["course_lib*", "course_grader*"]\n')
 
 
 def build_autograder(zip_path, rubric=None, assignment: str | None = None) -> list[str]:
@@ -120,7 +121,7 @@ def build_autograder(zip_path, rubric=None, assignment: str | None = None) -> li
     files = {"setup.sh": SETUP_SH.format(torch=torch_version), "run_autograder": RUN_AUTOGRADER,
              "requirements.txt": "".join(f"{name}=={version}\n" for name, version in versions.items())}
     if assignment:
-        from course_lib.grade.assign import resolve_assignment
+        from course_grader.assign import resolve_assignment
 
         files["assignment.txt"] = ",".join(resolve_assignment(assignment)) + "\n"
     if rubric is not None:
@@ -134,8 +135,9 @@ def build_autograder(zip_path, rubric=None, assignment: str | None = None) -> li
             info.external_attr = (0o755 if name in ("setup.sh", "run_autograder") else 0o644) << 16
             info.compress_type = zipfile.ZIP_DEFLATED
             archive.writestr(info, text)
-        for path, name in _source_files(pathlib.Path(course_lib.__file__).parent):
-            archive.write(path, str(name))
+        for package in (pathlib.Path(course_lib.__file__).parent, pathlib.Path(__file__).resolve().parent):
+            for path, name in _source_files(package):
+                archive.write(path, str(name))
     pathlib.Path(zip_path).write_bytes(buffer.getvalue())
     with zipfile.ZipFile(zip_path) as archive:
         return archive.namelist()

@@ -1,11 +1,11 @@
-"""python -m course_lib.grade: grade submitted notebooks in sandboxes, score them here.
+"""python -m course_grader: grade submitted notebooks in sandboxes, score them here.
 
-    python -m course_lib.grade SUBMISSION.ipynb [MORE.ipynb ...] [--json results.json]   one submission
-    python -m course_lib.grade --class submissions/ --out grades/                         a class: one folder per student
-    python -m course_lib.grade --nbgrader COURSE --assignment NAME --out grades/          nbgrader's submitted/ folders
-    python -m course_lib.grade --gradescope [--root /autograder]                          what run_autograder calls
-    python -m course_lib.grade --gradescope-autograder autograder.zip                     write Gradescope's zip
-    python -m course_lib.grade --rubric-defaults > rubric.toml                            every rubric line, its points
+    python -m course_grader SUBMISSION.ipynb [MORE.ipynb ...] [--json results.json]   one submission
+    python -m course_grader --class submissions/ --out grades/                         a class: one folder per student
+    python -m course_grader --nbgrader COURSE --assignment NAME --out grades/          nbgrader's submitted/ folders
+    python -m course_grader --gradescope [--root /autograder]                          what run_autograder calls
+    python -m course_grader --gradescope-autograder autograder.zip                     write Gradescope's zip
+    python -m course_grader --rubric-defaults > rubric.toml                            every rubric line, its points
 
 Common options: --rubric FILE (re-weight or drop rubric lines, TOML or JSON), --jobs N (notebooks at once;
 default one per core), --timeout / --cell-timeout (seconds per notebook / per cell), --verbose.
@@ -13,11 +13,11 @@ default one per core), --timeout / --cell-timeout (seconds per notebook / per ce
 What a submission is graded on: --assignment NAME (a number such as 04, or the notebook's name; several with
 commas) grades every submission against that assignment's exercises, whatever its files are called; without it
 each notebook is graded on its own assignment (its nbgrader metadata or its file name). An exercise found in
-several notebooks is graded once; exercises of other assignments score nothing (see course_lib.grade.assign).
+several notebooks is graded once; exercises of other assignments score nothing (see course_grader.assign).
 With --nbgrader, --assignment names nbgrader's folder (and the course's assignment when it is one's name).
 
 The sandbox: --isolation auto|namespaces|users|none (auto: the strongest this machine gives; see
-course_lib.grade.sandbox), and each notebook's limits --memory SIZE (4G), --disk SIZE (1G), --processes N (1024), --files N (50000).
+course_grader.sandbox), and each notebook's limits --memory SIZE (4G), --disk SIZE (1G), --processes N (1024), --files N (50000).
 A notebook that reaches one is stopped with a note saying which, and graded on what it did without that cell.
 As root the sandboxes run as course_lib_grader, course_lib_grader1, ... (made when missing); the environment
 variable COURSE_LIB_GRADE_USER names them otherwise.
@@ -51,7 +51,7 @@ EXIT_OK, EXIT_USAGE, EXIT_UNREADABLE, EXIT_GRADER_FAILED = 0, 2, 3, 4
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.grade", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m course_grader", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("notebooks", nargs="*", help="the notebooks of one submission")
@@ -92,7 +92,7 @@ def _exit_status(submission_grades) -> int:
 
 
 def _say_who_runs_the_code(isolation, limits, stream) -> None:
-    from course_lib.grade.sandbox import describe_isolation
+    from course_grader.sandbox import describe_isolation
 
     print(f"{describe_isolation(isolation)}; limits per notebook: {limits.describe()}", file=stream)
 
@@ -102,13 +102,13 @@ def _nbgrader_csv(path, assignment, submission_grades) -> None:
     import io
 
     from course_lib.exercises.report import format_points
-    from course_lib.grade.results import write_atomically
+    from course_grader.results import write_atomically
 
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["assignment", "duedate", "timestamp", "student_id", "last_name", "first_name", "email",
                      "raw_score", "late_submission_penalty", "score", "max_score"])
-    from course_lib.grade.results import csv_cell
+    from course_grader.results import csv_cell
 
     for submission in submission_grades:
         score = format_points(submission.score)
@@ -130,7 +130,7 @@ def _file_names(names) -> dict:
     for names that differ only in case) gets the first 8 hex digits of its SHA-256 appended."""
     import hashlib
 
-    from course_lib.grade.notebook import safe_name
+    from course_grader.notebook import safe_name
 
     def tagged(name):
         return f"{_file_name(name)[:190]}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
@@ -157,7 +157,7 @@ def _file_names(names) -> dict:
 
 
 def _write_class(out: pathlib.Path, submission_grades, seconds) -> None:
-    from course_lib.grade.results import dump_json, submission_json, write_csv
+    from course_grader.results import dump_json, submission_json, write_csv
 
     out.mkdir(parents=True, exist_ok=True)
     files = _file_names([s.name for s in submission_grades])
@@ -171,7 +171,7 @@ def _write_class(out: pathlib.Path, submission_grades, seconds) -> None:
 
 
 def _gradescope(args, weights, options) -> int:
-    from course_lib.grade import batch, gradescope, results
+    from course_grader import batch, gradescope, results
 
     root = pathlib.Path(args.root)
     gradescope.prepare_root(root)
@@ -196,14 +196,14 @@ def _hide_arguments(argv) -> None:
     """Without namespaces every user can read this process's command line in /proc: start again with the
     arguments (the submissions' folder, where results go) in the environment instead, which only root and this
     user can read."""
-    os.execve(sys.executable, [sys.executable, "-m", "course_lib.grade"],
+    os.execve(sys.executable, [sys.executable, "-m", "course_grader"],
               {**os.environ, "COURSE_LIB_GRADE_ARGV": json.dumps(list(argv))})
 
 
 def _options(args, parser) -> dict:
     """isolation, limits and assignment from the arguments (the usage error when one is wrong)."""
-    from course_lib.grade import assign
-    from course_lib.grade.sandbox import IsolationError, Limits, choose_isolation, parse_size
+    from course_grader import assign
+    from course_grader.sandbox import IsolationError, Limits, choose_isolation, parse_size
 
     try:
         limits = Limits(memory=parse_size(args.memory), disk=parse_size(args.disk), processes=args.processes,
@@ -257,10 +257,10 @@ def main(argv=None) -> int:
     except RubricFileError as exc:
         parser.error(str(exc))
     if args.gradescope_autograder:
-        from course_lib.grade.gradescope import build_autograder
+        from course_grader.gradescope import build_autograder
 
         if args.assignment:
-            from course_lib.grade import assign
+            from course_grader import assign
 
             try:
                 assign.resolve_assignment(args.assignment)
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     options = _options(args, parser)
     if options["isolation"] == "users" and argv is None and len(sys.argv) > 1:
         _hide_arguments(sys.argv[1:])
-    from course_lib.grade.sandbox import IsolationError
+    from course_grader.sandbox import IsolationError
 
     if args.gradescope:
         try:
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         except IsolationError as exc:
             parser.error(str(exc))
 
-    from course_lib.grade import batch, results
+    from course_grader import batch, results
 
     if args.nbgrader:
         if not args.assignment:
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
         _write_class(out, grades, seconds)
         if args.nbgrader:
             _nbgrader_csv(out / "nbgrader_grades.csv", args.assignment, grades)
-        from course_lib.grade.notebook import safe_name
+        from course_grader.notebook import safe_name
 
         for grade in grades:
             print(f"{safe_name(grade.name)}: {grade.score:g}/{grade.max_score:g}" + ("" if grade.status == "graded"

@@ -30,10 +30,10 @@ from fractions import Fraction
 
 from course_lib.exercises import QUESTION_NOT_DONE, registry, runner
 from course_lib.exercises.report import Result, format_points
-from course_lib.grade import assign, reading
-from course_lib.grade.notebook import NotebookError, code_cells, exercises_of_number, read_file
-from course_lib.grade.reading import read_notebook
-from course_lib.grade.sandbox import (Limits, Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
+from course_grader import assign, reading
+from course_grader.notebook import NotebookError, code_cells, exercises_of_number, read_file
+from course_grader.reading import read_notebook
+from course_grader.sandbox import (Limits, Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
                                       SandboxUser, choose_isolation, default_user, human, limit_words, release_users,
                                       running_as_root, sandbox_users, sweep_user)
 

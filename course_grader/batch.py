@@ -24,9 +24,9 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from course_lib.grade import assign, judge
-from course_lib.grade.notebook import NotebookError, exercises_of_number, safe_name
-from course_lib.grade.sandbox import (IsolationError, Limits, checkouts, choose_isolation,
+from course_grader import assign, judge
+from course_grader.notebook import NotebookError, exercises_of_number, safe_name
+from course_grader.sandbox import (IsolationError, Limits, checkouts, choose_isolation,
                                       default_user, exposed_to, readable_solutions, release_users, running_as_root,
                                       sandbox_users, sweep_user)
 
@@ -173,7 +173,7 @@ def refuse_exposure(user, submissions, extra=()) -> None:
     Raises:
         IsolationError: it could, with the paths and what to do.
     """
-    from course_lib.grade.sandbox import course_repositories, private_parts
+    from course_grader.sandbox import course_repositories, private_parts
 
     paths = [p for s in submissions for p in s.notebooks if not p.is_symlink()]
     paths += [s.root for s in submissions if s.root is not None]
@@ -216,7 +216,7 @@ def preload() -> None:
     """Import everything the judge will use before any submission runs: a module imported later would be read from
     disk after a submission could have changed it (without root, the sandbox runs as the judge's user)."""
     from course_lib.exercises import registry
-    from course_lib.grade import channel, notebook, reading, results, sandbox  # noqa: F401 (cells: reading's child)
+    from course_grader import channel, notebook, reading, results, sandbox  # noqa: F401 (cells: reading's child)
     from course_lib.training import data_parallel, toy  # noqa: F401 - average_gradients' oracle
     from course_lib.viz import traffic_plots  # noqa: F401 - the traffic questions' formulas
 

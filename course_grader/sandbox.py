@@ -8,7 +8,7 @@
 
 Who runs what (docs/architecture.md has the picture):
 
-    judge (python -m course_lib.grade)       never runs the submission's code; computes every score
+    judge (python -m course_grader)       never runs the submission's code; computes every score
       warden (_warden.py, one per notebook)  a child subreaper; holds the limits; kills everything at the end
         init (namespaces only)               PID 1 of the sandbox's namespaces: built its root, reaps
           kernel (kernel.py)                 the submission's cells, as the sandbox user, in a new session
@@ -18,21 +18,21 @@ Isolation, strongest first (`choose_isolation` picks the strongest the machine g
 environment variable COURSE_LIB_GRADE_ISOLATION ask for one):
 
 * **namespaces** (root on Linux, or a user the kernel allows user namespaces): mount, PID, IPC, network and
-  UTS namespaces of its own. The sandbox's file system is read-only binds of Python, the packages and
-  course_lib (nothing else of the host: not the repository, not the submissions, not the logs) and one tmpfs
+  UTS namespaces of its own. The sandbox's file system is read-only binds of Python, the packages, course_lib and
+  this grader (nothing else of the host: not the repository, not the submissions, not the logs) and one tmpfs
   of `Limits.disk` bytes for /tmp, /var/tmp, /dev/shm and its home, which holds a copy of the notebook. Its
   /proc shows its own processes; its loopback is its own; its System V objects are its own. All of it goes
   when its last process ends. As root a cgroup holds memory (swap included) and processes and gives it a CPU
   share of its own; the kernel runs as an unprivileged user either way.
 * **users** (root without namespaces: a container without CAP_SYS_ADMIN, as on Gradescope): each student
   graded gets an unprivileged user of its own (`sandbox_users`), students are graded one at a time (so no
-  other submission's process or port exists while one runs), course_lib is read through a root-owned mirror,
-  the grader refuses to start when that user could enter the instructor's checkout (its .git gives every solved
-  notebook to git, whatever notebooks/ allows: `private_parts`) or any other clone of the course, or read any
-  submission or solved notebook (`exposed_to`, tried as that user), and when a student is done everything the
-  user owns is swept: processes, System V objects, files in every folder it could write (`sweep_user`). Limits:
-  rlimits, and the warden's polling of the memory, processes, bytes and files (inodes) the sandbox uses, the
-  last two over everything the user owns (`Limits`).
+  other submission's process or port exists while one runs), course_lib and this grader are read through a
+  root-owned mirror, the grader refuses to start when that user could enter the instructor's checkout (its .git
+  gives every solved notebook to git, whatever notebooks/ allows: `private_parts`) or any other clone of the
+  course, or read any submission or solved notebook (`exposed_to`, tried as that user), and when a student is
+  done everything the user owns is swept: processes, System V objects, files in every folder it could write
+  (`sweep_user`). Limits: rlimits, and the warden's polling of the memory, processes, bytes and files (inodes)
+  the sandbox uses, the last two over everything the user owns (`Limits`).
 
   Why not bubblewrap (or any other namespace tool) here: it needs the same kernel feature this mode is for
   machines without (user namespaces, or CAP_SYS_ADMIN); where it would run, `choose_isolation` picks
@@ -58,7 +58,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from course_lib.grade import channel
+from course_grader import channel
 
 __all__ = ["Sandbox", "SandboxUser", "Limits", "SandboxError", "SandboxStartError", "SandboxDied", "SandboxTimeout",
            "IsolationError", "sandbox_users", "release_users", "sweep_user", "running_as_root", "choose_isolation",
@@ -538,6 +538,12 @@ def _package() -> pathlib.Path:
     return pathlib.Path(course_lib.__file__).resolve().parent
 
 
+def _packages() -> list[pathlib.Path]:
+    """The package folders the sandbox's kernel imports from outside the site folders: course_lib (the learner's
+    functions run on it) and this grader (its kernel and channel), each on its own where they are checkouts."""
+    return [_package(), pathlib.Path(__file__).resolve().parent]
+
+
 def _site_dirs() -> list[pathlib.Path]:
     """The folders the judge's Python imports installed packages from (its site-packages, and any such folder
     on its path)."""
@@ -659,7 +665,7 @@ def namespace_binds() -> list[str]:
              "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/fonts", "/sys/devices/system/cpu"]
     paths += [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix]
     paths += [str(p) for p in _site_dirs()]
-    paths += [str(_package()), str(pathlib.Path(torch.__file__).resolve().parent)]
+    paths += [str(p) for p in _packages()] + [str(pathlib.Path(torch.__file__).resolve().parent)]
     executable = pathlib.Path(sys.executable)
     paths += [str(executable.parent), str(executable.resolve().parent.parent)]
     chosen = []
@@ -673,9 +679,8 @@ def namespace_binds() -> list[str]:
 def _python_environment(isolation: str, user: SandboxUser | None) -> tuple[str, dict]:
     """The interpreter the sandbox runs and the environment it adds."""
     if isolation == "namespaces":
-        package = _package()
-        paths = [str(package.parent)] + [str(p) for p in _site_dirs()]
-        return sys.executable, {"PYTHONPATH": os.pathsep.join(paths)}
+        parents = list(dict.fromkeys(str(package.parent) for package in _packages()))
+        return sys.executable, {"PYTHONPATH": os.pathsep.join(parents + [str(p) for p in _site_dirs()])}
     if isolation == "users":
         return sandbox_python(user)
     return os.environ.get("COURSE_LIB_SANDBOX_PYTHON") or sys.executable, {}
@@ -716,7 +721,7 @@ def sandbox_python(user: SandboxUser | None) -> tuple[str, dict]:
         torch_dir = next((site / torch_dir.relative_to(folder) for folder, site in zip(_site_dirs(), sites)
                           if torch_dir.is_relative_to(folder)), torch_dir)
     package = _mirror_package()
-    for needed in (package, torch_dir):
+    for needed in (package, package.parent / "course_grader", torch_dir):
         if not _open_to_others(needed, 0o005):
             raise SandboxStartError(f"the sandbox user {user.name} cannot read {needed}: install the course's "
                                     "packages where every user can read them (e.g. a virtual environment in /opt)")
@@ -747,24 +752,25 @@ def _link_or_copy(source, target):
 
 
 def _mirror_package() -> pathlib.Path:
-    """course_lib alone, as hard links (or copies across file systems) in a root-owned folder every user can
-    read: the sandbox's PYTHONPATH then holds no folder of the checkout (its notebooks, its tests)."""
-    package = _package()
+    """course_lib and this grader alone, as hard links (or copies across file systems) in one root-owned folder every
+    user can read; returns course_lib's copy. The sandbox's PYTHONPATH then holds no folder of the checkout (its
+    notebooks, its tests)."""
     with _MIRROR_LOCK:
-        return _mirror_package_locked(package)
+        return _mirror_package_locked(_packages())
 
 
-def _mirror_package_locked(package) -> pathlib.Path:
-    target = _mirror_root() / "src" / package.name
+def _mirror_package_locked(packages) -> pathlib.Path:
     if "package" not in _MIRROR:
-        try:
-            shutil.copytree(package, target, symlinks=True, copy_function=_link_or_copy,
-                            ignore=shutil.ignore_patterns("__pycache__"))
-        except OSError as exc:
-            raise SandboxStartError(f"could not make a copy of course_lib the sandbox user may read ({exc})") from None
+        for package in packages:
+            try:
+                shutil.copytree(package, _mirror_root() / "src" / package.name, symlinks=True, copy_function=_link_or_copy,
+                                ignore=shutil.ignore_patterns("__pycache__", "pyproject.toml"))
+            except OSError as exc:
+                raise SandboxStartError(f"could not make a copy of {package.name} the sandbox user may read ({exc})") \
+                    from None
         (_mirror_root() / "src").chmod(0o755)
-        _MIRROR["package"] = target
-    return target
+        _MIRROR["package"] = _mirror_root() / "src" / packages[0].name
+    return _MIRROR["package"]
 
 
 def _mirror_sites(sites) -> list[pathlib.Path]:
@@ -865,7 +871,7 @@ class Sandbox:
         env.update(HOME=home, TMPDIR="/tmp" if namespaces else os.path.join(home, "tmp"), MPLBACKEND="Agg",
                    MPLCONFIGDIR=os.path.join(home, ".mpl"), IPYTHONDIR=os.path.join(home, ".ipython"),
                    PYTHONDONTWRITEBYTECODE="1", USER="sandbox", LOGNAME="sandbox")
-        config = {"isolation": isolation, "command": [python, "-m", "course_lib.grade.kernel", "--in", str(to_read),
+        config = {"isolation": isolation, "command": [python, "-m", "course_grader.kernel", "--in", str(to_read),
                                                       "--out", str(from_write)],
                   "keep_fds": [to_read, from_write], "env": env, "cwd": home, "log": str(log_path),
                   "memory": limits.memory, "disk": limits.disk, "processes": limits.processes,

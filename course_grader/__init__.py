@@ -1,8 +1,8 @@
 """Grading submitted notebooks so that a submission cannot forge its grade.
 
-    python -m course_lib.grade submissions/alice/*.ipynb --json results.json    (see `cli` for every mode)
+    python -m course_grader submissions/alice/*.ipynb --json results.json    (see `cli` for every mode)
 
-    from course_lib.grade import grade_notebook, grade_submissions, collect_class
+    from course_grader import grade_notebook, grade_submissions, collect_class
     grade = grade_notebook("alice/04_ring_scatter_reduce.ipynb")       # a NotebookGrade: tests, notes, score
 
 The submission's cells and the learner's functions run in a sandbox (`sandbox`, `kernel`): processes of their
@@ -28,15 +28,15 @@ __all__ = ["grade_notebook", "grade_submissions", "collect_class", "collect_nbgr
 def __getattr__(name):
     # Lazy: the sandbox's kernel imports this package too, and needs none of the judge's modules.
     if name in ("grade_notebook", "NotebookGrade"):
-        from course_lib.grade import judge
+        from course_grader import judge
         return getattr(judge, name)
     if name in ("grade_submissions", "collect_class", "collect_nbgrader", "collect_files"):
-        from course_lib.grade import batch
+        from course_grader import batch
         return getattr(batch, name)
     if name == "exercises_in":
-        from course_lib.grade.notebook import exercises_in
+        from course_grader.notebook import exercises_in
         return exercises_in
     if name == "main":
-        from course_lib.grade.cli import main
+        from course_grader.cli import main
         return main
-    raise AttributeError(f"module 'course_lib.grade' has no attribute {name!r}")
+    raise AttributeError(f"module 'course_grader' has no attribute {name!r}")

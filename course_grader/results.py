@@ -27,7 +27,7 @@ import tempfile
 
 from course_lib.exercises.report import format_points
 
-from course_lib.grade.notebook import safe_name, visible
+from course_grader.notebook import safe_name, visible
 
 __all__ = ["results_json", "submission_json", "table", "write_csv", "write_atomically", "exercise_columns",
            "csv_cell"]

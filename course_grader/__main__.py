@@ -1,0 +1,5 @@
+import sys
+
+from course_grader.cli import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from course_lib.grade.cli import main
-
-sys.exit(main())
