@@ -3,14 +3,16 @@
 After any of them every rank holds op(x_0, x_1, ..., x_{G-1}) elementwise, in place, exactly like
 `torch.distributed.all_reduce(tensor, op)`. They differ in who sends what:
 
-    variant            elements each rank sends        busiest rank sends + receives    steps
-    naive              (G-1) N                         2 (G-1) N                        1
+    variant            elements each rank sends        busiest rank sends + receives    latencies in a row
+    naive              (G-1) N                         2 (G-1) N                        1 (G-1 messages at once)
     parameter_server   N (root: (G-1) N)               2 (G-1) N        (the root)      2
     ring               2 (G-1) N / G                   4 (G-1) N / G                    2 (G-1)
 
 The ring moves as many elements in total as the parameter server, 2 (G-1) N, but spreads them evenly,
-so each rank's share stays about 2N however many ranks join. Its price is 2 (G-1) steps, each with
-a latency: for small tensors the one-step naive exchange wins.
+so each rank's share stays about 2N however many ranks join. Its price is 2 (G-1) steps one after another,
+each with a latency: for small tensors, of these three, the naive exchange wins (its G-1 messages leave at
+once, so their latencies overlap); fast_allreduce's recursive doubling and tree need about log2 G and
+2 log2 G latencies, whatever G.
 
 Every variant reduces in the same order on every rank, so floating-point results are bit-identical
 across ranks (a replica that drifts by one rounding step is still a replica that drifts).
