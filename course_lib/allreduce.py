@@ -10,9 +10,9 @@ After any of them every rank holds op(x_0, x_1, ..., x_{G-1}) elementwise, in pl
 
 The ring moves as many elements in total as the parameter server, 2 (G-1) N, but spreads them evenly,
 so each rank's share stays about 2N however many ranks join. Its price is 2 (G-1) steps one after another,
-each with a latency: for small tensors, of these three, the naive exchange wins (its G-1 messages leave at
-once, so their latencies overlap); fast_allreduce's recursive doubling and tree need about log2 G and
-2 log2 G latencies, whatever G.
+each with a latency: for small tensors the naive exchange beats it (its G-1 messages leave at once, so
+their latencies overlap), and it beats the parameter server at any size. fast_allreduce's recursive doubling
+needs log2 P latencies (P the largest power of two <= G, 2 more when G is not one), its tree 2 ceil(log2 G).
 
 Every variant reduces in the same order on every rank, so floating-point results are bit-identical
 across ranks (a replica that drifts by one rounding step is still a replica that drifts).
