@@ -539,8 +539,8 @@ def _package() -> pathlib.Path:
 
 
 def _packages() -> list[pathlib.Path]:
-    """The package folders the sandbox's kernel imports from outside the site folders: course_lib (the learner's
-    functions run on it) and this grader (its kernel and channel), each on its own where they are checkouts."""
+    """The two package folders the sandbox's kernel imports (besides the site folders): course_lib (the learner's
+    functions run on it) and this grader (its kernel and channel)."""
     return [_package(), pathlib.Path(__file__).resolve().parent]
 
 
@@ -720,12 +720,12 @@ def sandbox_python(user: SandboxUser | None) -> tuple[str, dict]:
         sites = _mirror_sites(sites)
         torch_dir = next((site / torch_dir.relative_to(folder) for folder, site in zip(_site_dirs(), sites)
                           if torch_dir.is_relative_to(folder)), torch_dir)
-    package = _mirror_package()
-    for needed in (package, package.parent / "course_grader", torch_dir):
+    mirror = _mirror_packages()
+    for needed in [mirror / package.name for package in _packages()] + [torch_dir]:
         if not _open_to_others(needed, 0o005):
             raise SandboxStartError(f"the sandbox user {user.name} cannot read {needed}: install the course's "
                                     "packages where every user can read them (e.g. a virtual environment in /opt)")
-    return python, {"PYTHONPATH": os.pathsep.join([str(package.parent)] + [str(p) for p in sites])}
+    return python, {"PYTHONPATH": os.pathsep.join([str(mirror)] + [str(p) for p in sites])}
 
 
 _MIRROR: dict = {}
@@ -751,16 +751,16 @@ def _link_or_copy(source, target):
         shutil.copy2(source, target)
 
 
-def _mirror_package() -> pathlib.Path:
+def _mirror_packages() -> pathlib.Path:
     """course_lib and this grader alone, as hard links (or copies across file systems) in one root-owned folder every
-    user can read; returns course_lib's copy. The sandbox's PYTHONPATH then holds no folder of the checkout (its
-    notebooks, its tests)."""
+    user can read, which is returned. The sandbox's PYTHONPATH then holds no folder of the checkout (its notebooks,
+    its tests)."""
     with _MIRROR_LOCK:
-        return _mirror_package_locked(_packages())
+        return _mirror_packages_locked(_packages())
 
 
-def _mirror_package_locked(packages) -> pathlib.Path:
-    if "package" not in _MIRROR:
+def _mirror_packages_locked(packages) -> pathlib.Path:
+    if "packages" not in _MIRROR:
         for package in packages:
             try:
                 shutil.copytree(package, _mirror_root() / "src" / package.name, symlinks=True, copy_function=_link_or_copy,
@@ -769,8 +769,8 @@ def _mirror_package_locked(packages) -> pathlib.Path:
                 raise SandboxStartError(f"could not make a copy of {package.name} the sandbox user may read ({exc})") \
                     from None
         (_mirror_root() / "src").chmod(0o755)
-        _MIRROR["package"] = _mirror_root() / "src" / packages[0].name
-    return _MIRROR["package"]
+        _MIRROR["packages"] = _mirror_root() / "src"
+    return _MIRROR["packages"]
 
 
 def _mirror_sites(sites) -> list[pathlib.Path]:
