@@ -92,7 +92,7 @@ def record_schedule(fn, world_size: int, numel: int, *args, device: str = "meta"
                 recorder = _Recorder()
                 try:
                     with backend.recording(rank, world_size, refusal), unchecked():
-                        p2p._world_cache.clear()      # (rank, size) of the group before: each rank has its own
+                        p2p._world_cache.clear()      # by the group's id, which the next rank's group may reuse
                         backend.install(recorder, outermost=True)      # it leaves with the recording's layers
                         fn(torch.empty(numel, dtype=dtype, device=where), *args)
                 except (RuntimeError, NotImplementedError) as exc:
