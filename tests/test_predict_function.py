@@ -116,3 +116,23 @@ def test_a_prediction_inside_a_rank_is_the_one_outside_and_leaves_the_rank_as_it
         assert same_group and results == [True, True, True], (rank, same_group, results)
         if where == "modeled" and world_size > 1:
             assert before[1] > 0                     # the ring before it did cost time on this clock
+
+
+def _predict_in_a_traced_call(rank, world_size):
+    """A tuner inside an exercise check: the tracer refuses course_lib's all-reduces by name and logs every call."""
+    from course_lib.exercises.tracing import Tracer
+
+    network._simulated_cache.clear()
+    network._recorded_cache.clear()
+    with Tracer(forbidden_modules=("collectives", "allreduce", "fast_allreduce")) as tracer:
+        times = {name: Network.preset("1GbE").predict(name, 4 * NUMEL, world_size) for name in NAMES}
+        if rank < 2:
+            p2p.send(torch.ones(5), 1) if rank == 0 else p2p.recv(torch.empty(5), 0)
+    return times, tracer.events
+
+
+def test_a_prediction_inside_a_traced_call_is_allowed_and_not_traced():
+    per_rank = course_lib.launch(_predict_in_a_traced_call, 3, backend="course_lib", timeout=120)
+    outside = {name: Network.preset("1GbE").predict(name, 4 * NUMEL, 3) for name in NAMES}
+    assert [times for times, _ in per_rank] == [outside] * 3
+    assert [events for _, events in per_rank] == [[("send", 1, 20, 0)], [("recv", 0, 20, 0)], []]
