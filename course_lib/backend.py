@@ -28,8 +28,9 @@ A layer is an object with any of these methods; a method it lacks passes the cal
 `group` is the `ProcessGroup` the call came through (`group.global_ranks[r]` is group rank r's rank in
 the world). A returned Work is this module's `Work` or a subclass: torch hands it to the caller as it is.
 
-`record(fn, world_size, ...)` runs a function on each rank in turn in this very process, on no network at
-all, to read what it sends (`course_lib.exercises.hierarchical.record_schedule` is built on it).
+`recording(rank, world_size, ...)` makes a process group that moves nothing, apart from the process's own
+(a launched rank's included), so a function can run on each rank in turn in this very process, to read what it
+sends (`course_lib.recording.record_schedule` is built on it).
 """
 
 from __future__ import annotations
@@ -488,23 +489,80 @@ def init_process_group(rank: int, world_size: int, timeout: datetime.timedelta, 
                             timeout=timeout)
 
 
+class _WorldApart(distributed_c10d._World):
+    """torch.distributed's bookkeeping of process groups (its `_World`), kept apart from this process's own.
+
+    torch keeps the maps of its groups in module globals that every `_World` shares; this one keeps maps of its
+    own, so a recording neither sees nor changes the groups of the rank it runs in. Its groups are numbered on
+    from `_FIRST_APART_NAME`, where no group of the process's own is: torch registers every group by its name,
+    process-wide, and refuses a second group of the same name."""
+
+    def __init__(self):
+        super().__init__()
+        self._pg_map, self._pg_names, self._pg_group_ranks, self._pg_backend_config = {}, {}, {}, {}
+        self._tags_to_pg, self._pg_to_tag = {}, {}
+
+    pg_map = property(lambda self: self._pg_map)
+    pg_names = property(lambda self: self._pg_names)
+    pg_group_ranks = property(lambda self: self._pg_group_ranks)
+    pg_backend_config = property(lambda self: self._pg_backend_config)
+    tags_to_pg = property(lambda self: self._tags_to_pg)
+    pg_to_tag = property(lambda self: self._pg_to_tag)
+
+    @property
+    def group_count(self) -> int:
+        return _apart_names["next"]
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        _apart_names["next"] = value          # one count for every apart world: a nested recording's names differ too
+
+
+_FIRST_APART_NAME = 1 << 30
+_apart_names = {"next": _FIRST_APART_NAME}
+
+
+@contextlib.contextmanager
+def _apart():
+    """torch's world of process groups and this process's layers, set aside for the block and put back after it.
+
+    torch's world (`distributed_c10d._world`) is swapped for a `_WorldApart`, as torch's own threaded process
+    group swaps it (torch.testing._internal.distributed.multi_threaded_pg); what initialising a group there
+    changes beside it (torch's exception hook, its record of the default backend) is put back, and the apart
+    groups leave torch's registry of names. Both are the process's, not a thread's: the block belongs between
+    this process's own calls, on the thread that makes them."""
+    global _layers
+    saved_world, saved_layers, saved_hook = distributed_c10d._world, _layers, sys.excepthook
+    saved_backend = distributed_c10d._backend, distributed_c10d._default_pg_init_method
+    world = distributed_c10d._world = _WorldApart()
+    with _lock:
+        _layers = ()
+    try:
+        yield
+    finally:
+        for name in world.pg_names.values():
+            distributed_c10d._unregister_process_group(name)
+        distributed_c10d._world = saved_world
+        with _lock:
+            _layers = saved_layers
+        sys.excepthook = saved_hook
+        distributed_c10d._backend, distributed_c10d._default_pg_init_method = saved_backend
+
+
 @contextlib.contextmanager
 def recording(rank: int, world_size: int, refusal: str):
     """A default process group of `world_size` in this process, as rank `rank`, that moves nothing: every send
     and receive completes at once (a receive leaves its buffer as it is), and a collective raises
-    RuntimeError(`refusal` + the call). Installed layers see every call, as in a launch.
+    RuntimeError(`refusal` + the call). Layers installed inside the block see every call, as in a launch.
 
     For reading what a function sends without launching it (its messages must not depend on the values it
-    receives, as an all-reduce's do not). Refuses to run where a process group exists already."""
-    if dist.is_initialized():
-        raise RuntimeError("recording a schedule needs a process without a torch.distributed process group; "
-                           "call it in the notebook, outside launch()")
-    _under.recording = refusal
-    try:
-        dist.init_process_group(NAME, store=dist.HashStore(), rank=rank, world_size=world_size)
-    finally:
-        _under.recording = None
-    try:
+    receives, as an all-reduce's do not). It works inside a launched rank too: the group lives in a world of
+    torch's bookkeeping of its own, and the layers the process had installed are set aside, so the rank's own
+    groups and layers are as they were after the block, and saw nothing of it (`_apart`)."""
+    with _apart():
+        _under.recording = refusal
+        try:
+            dist.init_process_group(NAME, store=dist.HashStore(), rank=rank, world_size=world_size)
+        finally:
+            _under.recording = None
         yield
-    finally:
-        dist.destroy_process_group()

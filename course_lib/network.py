@@ -65,12 +65,13 @@ What the model predicts for the course's all-reduces (`Network.predict`):
 c = the largest chunk's bytes (S/G), L = ceil(log2 G), P the largest power of two <= G, R = 2(G-1)
 rounds of k segments of u = c/(k B) seconds each. These closed formulas (`Network.formula`) hold when G
 is a power of two and every length divides; otherwise some ranks start early (no children, no fold
-partner) or chunks differ, and `predict` replays the algorithm's schedule (`course_lib.schedules`)
-instead, which is exactly what a launch reads. The latency a is paid once per
+partner) or chunks differ, and `predict` replays the messages the algorithm's code sends (recorded
+from it, `course_lib.recording`) instead, which is exactly what a launch reads. The latency a is paid once per
 message *in flight*, not once per message sent: messages that leave one after another overlap their
 latencies (the naive exchange pays one a, not G-1), unlike the course's step-count model in
 `course_lib.cost`, where alpha stands for the software cost of a step, which cannot overlap. On a
-cluster, `predict` simulates the schedule (`schedules.schedule`) with the cluster's links.
+cluster, `predict` simulates those messages with the cluster's links (and the hierarchical all-reduce's
+hand-written schedule, `schedules.schedule`).
 
 What it leaves out: congestion inside the switch or fabric (it is non-blocking: only the ranks' own
 sides queue), TCP (slow start, acknowledgements, retransmission, window limits), the NIC's own work and
@@ -317,9 +318,10 @@ class Network:
         Exactly the time a launch on this network reads for the course's implementation: the ring, the
         naive exchange and the parameter server by their formulas (the module docstring's, with the exact,
         largest chunk of `torch.tensor_split` where a length does not divide); the others by simulating
-        their schedule (`course_lib.schedules`), since the formulas hold only when G is a power of two
-        and every length divides (tests/test_network.py checks both). Compute (adding the chunks) costs
-        nothing on the modeled clock and is not in it.
+        the messages their code sends, recorded from it as a function's are, since the formulas hold only
+        when G is a power of two and every length divides (tests/test_network.py checks both). Compute
+        (adding the chunks) costs nothing on the modeled clock and is not in it. It may be called inside a
+        launched rank: the recording leaves the rank's group, clock and traffic counts as they were.
 
         Args:
             algorithm: 'ring', 'ring_pipelined', 'ring_bidirectional', 'naive', 'parameter_server'
@@ -327,14 +329,16 @@ class Network:
                 (torch.distributed.all_reduce on the modeled clock: the faster of ring and tree, as NCCL picks).
             nbytes: bytes of the tensor on each rank.
             world_size: G.
-            element_size: bytes per element (chunks are cut in whole elements).
-            segment_bytes: ring_pipelined's segment size (default: its own, 4 MiB).
+            element_size: bytes per element (chunks are cut in whole elements): 1, 2, 4 or 8, and
+                `nbytes` a whole number of them.
+            segment_bytes: ring_pipelined's segment size (default: its own, 4 MiB); for a function, passed
+                to it as ``segment_bytes=`` when given.
         """
         g, a, b = world_size, self.latency, self.bandwidth
         if g < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if callable(algorithm):
-            return _recorded(self, algorithm, int(nbytes), g, element_size)
+            return _recorded(self, algorithm, int(nbytes), g, element_size, segment_bytes)
         if algorithm not in _PREDICTED:
             raise ValueError(f"no prediction for {algorithm!r}: known {', '.join(repr(name) for name in _PREDICTED)}")
         if g == 1:
@@ -352,7 +356,7 @@ class Network:
             return a + (1 if full else g - 1) * nbytes / b
         if algorithm in ("parameter_server", "master"):
             return 2 * a + 2 * (1 if full else g - 1) * nbytes / b
-        return _simulated(self, algorithm, int(nbytes), g, element_size, segment_bytes)
+        return _recorded_by_name(self, algorithm, int(nbytes), g, element_size, segment_bytes)
 
     def formula(self, algorithm: str, nbytes: int, world_size: int) -> float:
         """The module docstring's closed formula for `algorithm` (G a power of two, lengths that divide):
@@ -382,41 +386,71 @@ class Network:
 _PREDICTED = ("ring", "ring_pipelined", "ring_bidirectional", "naive", "parameter_server", "master", "tree",
               "halving_doubling", "recursive_doubling", "builtin", "nccl")
 _simulated_cache: dict = {}
+_recorded_cache: dict = {}          # (fn, numel, world_size, dtype, segment_bytes) -> the schedule recorded
 _DTYPES = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}     # element_size -> the tensor recorded
 
 
-def _recorded(network, fn, nbytes, world_size, element_size=4) -> float:
-    """`fn`'s own messages (`recording.record_schedule`) replayed on `network` (cached, as `_simulated`)."""
-    import torch
+def _recorded_by_name(network, name, nbytes, world_size, element_size, segment_bytes) -> float:
+    """The course's all-reduce called `name`, its messages recorded from its code (`_recorded`); of them only
+    ring_pipelined takes a segment size. It is read from the table of variants, not through `allreduce.get`: an
+    exercise check refuses the learner course_lib's public functions by name while it runs
+    (`exercises.tracing.Tracer`), and a tuner inside its ranks may still ask `predict` for them."""
+    from course_lib import allreduce
 
-    from course_lib import recording, simulation
+    return _recorded(network, allreduce.VARIANTS[name], nbytes, world_size, element_size,
+                     segment_bytes if name == "ring_pipelined" else None)
+
+
+def _recorded(network, fn, nbytes, world_size, element_size=4, segment_bytes=None) -> float:
+    """`fn`'s own messages (`recording.record_schedule`) replayed on `network` (cached: notebooks ask for the same
+    sizes often). `segment_bytes`, when given, is passed to `fn` as ``segment_bytes=`` (ring_pipelined's)."""
+    from course_lib import simulation
 
     if element_size not in _DTYPES:
         raise ValueError(f"element_size must be one of {sorted(_DTYPES)} bytes to record a function, got {element_size}")
     if nbytes % element_size:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {element_size}-byte elements")
-    key = (network, fn, nbytes, world_size, element_size)
+    if world_size == 1:
+        return 0.0
+    key = (network, fn, nbytes, world_size, element_size, segment_bytes)
     seconds = _simulated_cache.get(key)
     if seconds is None:
-        if world_size == 1:
-            return 0.0
-        events = recording.record_schedule(fn, world_size, nbytes // element_size,
-                                           dtype=getattr(torch, _DTYPES[element_size]))
+        events = _recorded_schedule(fn, world_size, nbytes // element_size, _DTYPES[element_size], segment_bytes)
         seconds = _simulated_cache[key] = simulation.replay(events, network).seconds
         if len(_simulated_cache) > 4096:
             _simulated_cache.clear()
     return seconds
 
 
-def _simulated(network, algorithm, nbytes, world_size, element_size=4, segment_bytes=None, node_size=None) -> float:
-    """The schedule of `algorithm` replayed on `network` (cached: notebooks ask for the same sizes often)."""
+def _recorded_schedule(fn, world_size, numel, dtype_name, segment_bytes) -> list:
+    """`recording.record_schedule` of `fn`, cached for every network: recording runs the code of every rank, which
+    costs tens of times what replaying the schedule does."""
+    import functools
+
+    import torch
+
+    from course_lib import recording
+
+    key = (fn, numel, world_size, dtype_name, segment_bytes)
+    events = _recorded_cache.get(key)
+    if events is None:
+        call = fn if segment_bytes is None else functools.partial(fn, segment_bytes=segment_bytes)
+        events = recording.record_schedule(call, world_size, numel, dtype=getattr(torch, dtype_name))
+        if len(_recorded_cache) >= 256:          # a schedule on many ranks holds many events: fewer of them kept
+            _recorded_cache.clear()
+        _recorded_cache[key] = events
+    return events
+
+
+def _simulated(network, algorithm, nbytes, world_size, element_size=4, node_size=None) -> float:
+    """The hand-written schedule of `algorithm` (`course_lib.schedules`: the hierarchical all-reduce) replayed on
+    `network` (cached, as `_recorded`)."""
     from course_lib import schedules, simulation
 
-    key = (network, algorithm, nbytes, world_size, element_size, segment_bytes, node_size)
+    key = (network, algorithm, nbytes, world_size, element_size, node_size)
     seconds = _simulated_cache.get(key)
     if seconds is None:
-        events = schedules.schedule(algorithm, nbytes, world_size, node_size=node_size, element_size=element_size,
-                                    segment_bytes=segment_bytes)
+        events = schedules.schedule(algorithm, nbytes, world_size, node_size=node_size, element_size=element_size)
         seconds = _simulated_cache[key] = simulation.replay(events, network).seconds
         if len(_simulated_cache) > 4096:
             _simulated_cache.clear()
@@ -622,16 +656,16 @@ class Cluster:
     def predict(self, algorithm, nbytes: int, world_size: int | None = None, element_size: int = 4,
                 segment_bytes: int | None = None) -> float:
         """The model's seconds for one all-reduce of `nbytes` per rank on the first `world_size` ranks (default:
-        all), simulated with the cluster's links (`course_lib.schedules`): any algorithm `Network.predict`
-        knows (the ring is one ring over every rank, in rank order, so it crosses between nodes), and
-        'hierarchical' (reduce-scatter inside each node, a ring all-reduce of each shard across nodes on
-        its own rail, all-gather inside each node). `algorithm` may be the function itself, as for
-        `Network.predict`."""
+        all), simulated with the cluster's links: any algorithm `Network.predict` knows, as the messages its
+        code sends (the ring is one ring over every rank, in rank order, so it crosses between nodes), and
+        'hierarchical' (`course_lib.schedules`' schedule: reduce-scatter inside each node, a ring all-reduce
+        of each shard across nodes on its own rail, all-gather inside each node). `algorithm` may be the
+        function itself, as for `Network.predict`."""
         g = self.world_size if world_size is None else world_size
         if not 1 <= g <= self.world_size:
             raise ValueError(f"world_size must be 1..{self.world_size} on {self.nodes} nodes of {self.per_node}, got {g}")
         if callable(algorithm):
-            return _recorded(self, algorithm, int(nbytes), g, element_size)
+            return _recorded(self, algorithm, int(nbytes), g, element_size, segment_bytes)
         if algorithm not in _PREDICTED + ("hierarchical",):
             raise ValueError(f"no prediction for {algorithm!r}: known "
                              f"{', '.join(repr(name) for name in _PREDICTED + ('hierarchical',))}")
@@ -641,8 +675,9 @@ class Cluster:
             from course_lib import torch_collectives
 
             return torch_collectives.collective_time(self, "all_reduce", nbytes, tuple(range(g)), element_size=element_size)
-        return _simulated(self, algorithm, int(nbytes), g, element_size, segment_bytes,
-                          self.per_node if algorithm == "hierarchical" else None)
+        if algorithm == "hierarchical":
+            return _simulated(self, algorithm, int(nbytes), g, element_size, self.per_node)
+        return _recorded_by_name(self, algorithm, int(nbytes), g, element_size, segment_bytes)
 
     def collective_time(self, kind: str, nbytes: int, members) -> float:
         from course_lib import torch_collectives

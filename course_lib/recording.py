@@ -5,15 +5,22 @@
 
 Each rank runs `fn` in this process, one after the other, in a process group of course_lib's backend that
 moves nothing (`backend.recording`); a layer logs every send, receive and wait in the form
-`simulation.replay` times. `Network.predict(fn, ...)` times a learner's own variant this way, and
-notebook 13's hierarchical check and capstone record their schedules with it.
+`simulation.replay` times. `Network.predict` times every course all-reduce this way (by name or as the
+function, a learner's own variant too), and notebook 13's hierarchical check and capstone record their
+schedules with it.
+
+It runs anywhere, inside a launched rank too (a learner's tuner calls `link.predict` there): the rank's own
+process group, layers, modeled clock, traffic recordings and blocked-call slot are set aside while it records
+and put back after, untouched (`_apart_from_the_rank`, `backend.recording`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from course_lib import backend, p2p
+from course_lib import backend, ops, p2p, runtime, traffic
 from course_lib.runtime import unchecked
 
 __all__ = ["record_schedule"]
@@ -74,29 +81,49 @@ def record_schedule(fn, world_size: int, numel: int, *args, device: str = "meta"
     Returns the schedule in the form `simulation.replay(events_by_rank, network)` times. Only for functions whose
     messages do not depend on the values they receive, as an all-reduce's do not; the values computed are
     meaningless (a receive leaves its buffer untouched). A built-in collective, or a receive from any source,
-    raises RuntimeError.
+    raises RuntimeError. Inside a launched rank it leaves the rank as it found it (see the module docstring);
+    call it there between the rank's own calls, on its main thread.
     """
     refusal = "record_schedule times point-to-point messages only"
     events_by_rank = []
-    for rank in range(world_size):
-        for where in ((device, "cpu") if device != "cpu" else ("cpu",)):
-            recorder = _Recorder()
-            cache = dict(p2p._world_cache)
-            try:
-                with backend.recording(rank, world_size, refusal), unchecked():
-                    p2p._world_cache.clear()
-                    backend.install(recorder, outermost=True)
-                    try:
+    with _apart_from_the_rank():
+        for rank in range(world_size):
+            for where in ((device, "cpu") if device != "cpu" else ("cpu",)):
+                recorder = _Recorder()
+                try:
+                    with backend.recording(rank, world_size, refusal), unchecked():
+                        p2p._world_cache.clear()      # by the group's id, which the next rank's group may reuse
+                        backend.install(recorder, outermost=True)      # it leaves with the recording's layers
                         fn(torch.empty(numel, dtype=dtype, device=where), *args)
-                    finally:
-                        backend.remove(recorder)
-            except (RuntimeError, NotImplementedError) as exc:
-                if isinstance(exc, NotImplementedError) or where == "cpu" or "record_schedule" in str(exc):
-                    raise
-                continue          # a CPU tensor of the function's own met a meta one: once more on the CPU
-            finally:
-                p2p._world_cache.clear()
-                p2p._world_cache.update(cache)
-            events_by_rank.append(recorder.events)
-            break
+                except (RuntimeError, NotImplementedError) as exc:
+                    if isinstance(exc, NotImplementedError) or where == "cpu" or "record_schedule" in str(exc):
+                        raise
+                    continue          # a CPU tensor of the function's own met a meta one: once more on the CPU
+                events_by_rank.append(recorder.events)
+                break
     return events_by_rank
+
+
+@contextlib.contextmanager
+def _apart_from_the_rank():
+    """What this process keeps for the rank it runs (if it runs one) beside its process group, set aside for the
+    block and put back after it: the rank's modeled clock and the reductions' charge on it, its traffic recordings
+    and their labels, its blocked-call slot and p2p's cache of its group. A recording inside a rank must leave the
+    rank as it found it: its clock, counts and slot describe the rank's own calls, never the recorded ones.
+
+    The rank's queued async collectives finish first: they run on torch's default group, which the recording
+    sets aside for the process (`backend.recording`)."""
+    runtime.drain()
+    saved = (runtime._state, runtime._slot, ops.charge_reduction, list(traffic._active), dict(traffic._labels),
+             dict(p2p._world_cache))
+    runtime._state = runtime._slot = ops.charge_reduction = None
+    traffic._active.clear()
+    traffic._labels.update(phase=None, step=None)
+    try:
+        yield
+    finally:
+        runtime._state, runtime._slot, ops.charge_reduction, active, labels, cache = saved
+        traffic._active[:] = active
+        traffic._labels.update(labels)
+        p2p._world_cache.clear()
+        p2p._world_cache.update(cache)
