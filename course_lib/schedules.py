@@ -11,10 +11,10 @@ costs nothing on the modeled clock.
 Chunks are cut as the implementations cut them: `torch.tensor_split` into G pieces (the first
 numel mod G one element longer, `pieces`), in whole elements of `element_size` bytes.
 
-What is here: for torch's built-in collectives on the modeled clock (`torch_collectives.collective_time`), the
-ring all-gather and reduce-scatter, a chain broadcast and reduce, a pairwise all-to-all, a direct gather and
-scatter; and for clusters, the hierarchical all-reduce (reduce-scatter inside a node, all-reduce across nodes
-on each rank's rail, all-gather inside the node), which `Cluster.predict("hierarchical")`, notebook 13 and its
+What is here: for torch's built-in collectives on the modeled clock (`torch_collectives.collective_time`) that
+NCCL's model (`course_lib.nccl`) does not time, a pairwise all-to-all and a direct gather and scatter; and for
+clusters, the hierarchical all-reduce (reduce-scatter inside a node, all-reduce across nodes on each rank's rail,
+all-gather inside the node), which `Cluster.predict("hierarchical")`, notebook 13 and its
 exercise's check time.
 
 The course's own all-reduces (`course_lib.allreduce`, `course_lib.fast_allreduce`) are not written here a
@@ -61,40 +61,6 @@ class _Script:
 # --------------------------------------------------------------------------------------------------
 # torch's built-in collectives (as NCCL runs them, simplified) and the hierarchical all-reduce
 # --------------------------------------------------------------------------------------------------
-
-
-def _ring_phase(s, r, g, chunk_bytes, phase):
-    """One phase of the ring: per step, receive posted first, then the send, then both waited."""
-    for step in range(g - 1):
-        if phase == "scatter_reduce":
-            send_index, recv_index = (r - step) % g, (r - step - 1) % g
-        else:
-            send_index, recv_index = (r + 1 - step) % g, (r - step) % g
-        receive = s.irecv((r - 1) % g, chunk_bytes[recv_index])
-        send = s.isend((r + 1) % g, chunk_bytes[send_index])
-        s.wait(receive, send)
-
-
-def _ring_all_gather(s, r, g, numel, e, **_):
-    """`numel`: the whole output (G pieces). Rank r starts with piece r: at step s it sends piece r - s on and
-    receives piece r - s - 1 (the scatter-reduce's pattern, copying instead of adding)."""
-    _ring_phase(s, r, g, [n * e for n in pieces(numel, g)], "scatter_reduce")
-
-
-def _ring_reduce_scatter(s, r, g, numel, e, **_):
-    _ring_phase(s, r, g, [n * e for n in pieces(numel, g)], "scatter_reduce")
-
-
-def _chain(s, r, g, numel, e, root=0, reverse=False, **_):
-    """The whole tensor along the ring from the root (broadcast), or towards it (reduce), unpipelined."""
-    order = [(root + i) % g for i in range(g)]
-    if reverse:
-        order = order[::-1]
-    i = order.index(r)
-    if i:
-        s.recv(order[i - 1], numel * e)
-    if i < g - 1:
-        s.send(order[i + 1], numel * e)
 
 
 def _pairwise(s, r, g, numel, e, **_):
@@ -158,9 +124,7 @@ def _hierarchical(s, r, g, numel, e, node_size=None, **_):
 
 ALGORITHMS = {
     "hierarchical": _hierarchical,
-    # built-in collectives
-    "ring_all_gather": _ring_all_gather, "ring_reduce_scatter": _ring_reduce_scatter,
-    "chain": _chain, "chain_reduce": lambda *a, **k: _chain(*a, reverse=True, **k),
+    # built-in collectives that NCCL's model (`course_lib.nccl`) does not time
     "pairwise": _pairwise,
     "direct_gather": _direct, "direct_scatter": lambda *a, **k: _direct(*a, gather=False, **k),
 }
