@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
-import matplotlib.pyplot as plt
-
 from course_lib.allreduce import chunk_sizes
 from course_lib.bench import format_bytes
 
@@ -206,6 +204,8 @@ def traffic_table(recordings: Sequence, highlight: Mapping[int, str] | None = No
 
 def _figure(width: float, height: float, ncols: int = 1):
     """A figure that pyplot does not hold on to: returned and displayed once, never twice."""
+    import matplotlib.pyplot as plt       # here, not at the top: the graders import viz's tags, not its plots
+
     fig, axes = plt.subplots(1, ncols, figsize=(width, height), squeeze=False, layout="constrained")
     plt.close(fig)
     fig.set_facecolor("white")  # a white card: dark text stays readable in a dark notebook theme
