@@ -216,6 +216,7 @@ def _start_kernel_again_if_it_died(start):
             except RuntimeError as exc:
                 log.seek(0)
                 said = log.read().decode(errors="replace").strip()[-4000:] or "(nothing)"
+                log.close()
                 if not _kernel_died_at_start(exc) or attempt == KERNEL_STARTS:
                     raise RuntimeError(f"{exc} (start {attempt} of {KERNEL_STARTS}); the kernel's stderr:\n{said}") \
                         from exc
