@@ -329,3 +329,31 @@ def pytest_xdist_make_scheduler(config, log):
             return super()._assign_work_unit(node)
 
     return WorldSizesFirst(config, log)
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU seconds per test, beside the wall-clock duration (a junit property `cpu_s`)
+# --------------------------------------------------------------------------------------------------
+# On 2 cores the suite is bound by CPU, not by waiting: what a test costs the run is the CPU its processes use,
+# which a wall-clock duration overstates for a test that mostly waits (a timeout, ranks taking turns) and
+# understates for none. Counted: the worker itself and every process it and its descendants waited for (a
+# notebook's kernel when it shuts down, the ranks a kernel launched, a grader and its sandboxes). Not counted: a
+# process nobody waited for. A kernel shared by a notebook's cells is counted in the cell during which it ends.
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item._cpu_at_setup = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "_cpu_at_setup"):
+        outcome.get_result().user_properties.append(("cpu_s", round(_cpu_seconds() - item._cpu_at_setup, 2)))
