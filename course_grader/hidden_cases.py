@@ -14,9 +14,10 @@ those). The rules, one function per kind of exercise below (`RULES` says which e
     training        G = 5..8 as well; at every G > 1 the other model (123 or 63 parameters) after the visible one.
     fit_alpha_beta  another exact and two more noisy timings, and a ping-pong measured over a modeled link.
     beat_the_ring   the standard hidden cases on both links, and the timed cases at G = 8 (the check times G = 4).
-    hierarchical    G = 6 and 7 as well; N = G - 1 and N = 200 + G; node sizes 1, the smallest that divides G and
-                    G itself, the largest that leaves a smaller last node; random data on a partial node; on one
-                    rank a node size of 2; a timed case on 4 nodes of 2.
+    hierarchical    G = 6 and 7 as well; N = G - 1 and N = 200 + G on the visible node size; tagged data on node
+                    sizes 1, the smallest proper divisor of G and G itself, and on the largest size that leaves a
+                    smaller last node; random data on the smallest such size; on one rank a node size of 2; a
+                    timed case on 4 nodes of 2.
 
     from course_grader import check
     check("ring", ring)                 # course_lib's check with the grader's cases
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from course_lib import exercises
 from course_lib.exercises import capstone, hierarchical, registry
 from course_lib.exercises.basics import pass_token_cases
 from course_lib.exercises.cases import Case, standard_cases, standard_cases_at
@@ -41,8 +43,6 @@ TRAINING_HIDDEN_SIZES = (5, 6, 7, 8)         # the training exercises' check run
 def check(name: str, answer):
     """course_lib's `exercises.check(name, answer)` with the grader's cases: the visible ones and the hidden ones.
     A question has no cases: it is checked as the learner's check does."""
-    from course_lib import exercises
-
     exercise = registry.get(name)
     cases = grader_cases(exercise) if exercise.kind == "function" else None
     return exercises.check(name, answer, cases=cases)

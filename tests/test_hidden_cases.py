@@ -6,7 +6,9 @@ course_grader/hidden_cases.py builds the grader's list of every function exercis
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +23,36 @@ from course_lib.exercises import registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FUNCTION_EXERCISES = [e for e in registry.all_exercises(include_pending=True) if e.kind == "function"]
+CHECK_LINE = re.compile(r'^result = exercises\.check\("(\w+)", \w+, cases=cases\)$', re.M)
+
+
+def _check_cells() -> list:
+    """(exercise name, the check cell's source before its check line) for every check cell of notebooks/ that has a
+    hidden-test region."""
+    cells = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code" and "### BEGIN HIDDEN TESTS" in source:
+                match = CHECK_LINE.search(source)
+                assert match, (path.name, source)
+                cells.append((match.group(1), source[:match.start()]))
+    return cells
+
+
+def test_a_check_cell_takes_the_graders_cases_only_where_the_grader_is_installed():
+    cells = _check_cells()
+    assert {name for name, _ in cells} == {e.name for e in registry.all_exercises() if e.kind == "function"}
+    for name, before in cells:
+        namespace = {}
+        exec(before, namespace)
+        assert namespace["cases"] == hidden_cases.grader_cases(name), name
+    # Where course_grader is not installed (Colab, a learner's machine) the same lines leave the visible check.
+    script = ("import sys, json\nsys.modules['course_grader'] = None\n"
+              f"for name, before in json.loads({json.dumps(json.dumps(cells))}):\n"
+              "    namespace = {}\n    exec(before, namespace)\n    assert namespace['cases'] is None, name\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
 
 
 def test_course_lib_alone_has_no_hidden_case_and_says_where_they_went():
