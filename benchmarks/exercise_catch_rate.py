@@ -6,7 +6,7 @@
     python benchmarks/exercise_catch_rate.py --part 2 --append --out benchmarks/results/exercise_catch_rate.txt
 
 Every entry of tests/planted_bugs.py (notebooks 00-07; with --part 2, tests/planted_bugs_part2.py: 08-11 and the
-capstone) goes through the public `exercises.check(name, fn, hidden=True)`, i.e.
+capstone) goes through `course_grader.check(name, fn)` (the public check with the grader's cases), i.e.
 every hidden case on G = 1..8 ranks, with the default time limits. A bug is *caught* when it loses points;
 its feedback *names it* when the first problem reported contains the phrase the catalogue expects. A
 correct solution must get full marks. The machine's load average is printed with the figures: the
@@ -30,7 +30,6 @@ import planted_bugs  # noqa: E402
 import planted_bugs_part2  # noqa: E402
 
 import course_grader as grade  # noqa: E402
-from course_lib import exercises  # noqa: E402
 
 
 def _first_problem(result) -> str:
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
     wrong, times = [], []
     for entry in correct:
         started = time.perf_counter()
-        result = exercises.check(entry.exercise, entry.fn, hidden=True)
+        result = grade.check(entry.exercise, entry.fn)
         times.append(time.perf_counter() - started)
         if not result.passed:
             wrong.append(entry.name)
@@ -73,7 +72,7 @@ def main(argv=None) -> int:
     caught, named, bug_times = 0, 0, []
     for entry in bugs:
         started = time.perf_counter()
-        result = exercises.check(entry.exercise, entry.fn, hidden=True)
+        result = grade.check(entry.exercise, entry.fn)
         bug_times.append(time.perf_counter() - started)
         lost = result.score < result.max_score
         names = entry.expect in _first_problem(result)

@@ -2,8 +2,8 @@
 
     python benchmarks/hierarchical_catch_rate.py --out benchmarks/results/hierarchical_catch_rate.txt
 
-Every entry of tests/planted_bugs_hierarchical.py goes through the public `exercises.check(name, fn, hidden=True)`:
-every hidden case on G = 1..8 ranks (node sizes that divide G and some that leave a smaller last node, tagged and
+Every entry of tests/planted_bugs_hierarchical.py goes through `course_grader.check(name, fn)` (the public check
+with the grader's cases): every hidden case on G = 1..8 ranks (node sizes that divide G and some that leave a smaller last node, tagged and
 random data, uneven lengths, the timed cases on two modeled clusters), as the grader runs it. A bug is *caught*
 when it loses points; its feedback *names it* when the first problem reported contains the phrase the catalogue
 expects (which the quick test checks on a few world sizes; here the first failing case may be another one). A
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import planted_bugs_hierarchical as catalogue  # noqa: E402
 
-from course_lib import exercises  # noqa: E402
+import course_grader  # noqa: E402
 from exercise_catch_rate import _first_problem  # noqa: E402  (the other catalogues' script, beside this one)
 
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     wrong = []
     for entry in catalogue.CORRECT:
         started = time.perf_counter()
-        result = exercises.check(entry.exercise, entry.fn, hidden=True)
+        result = course_grader.check(entry.exercise, entry.fn)
         say(f"  {entry.name:<28} {result.score:g}/{result.max_score:g}  {time.perf_counter() - started:5.1f} s")
         if result.score != result.max_score:
             wrong.append(entry.name)
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     caught = named = 0
     for entry in catalogue.BUGS:
         started = time.perf_counter()
-        result = exercises.check(entry.exercise, entry.fn, hidden=True)
+        result = course_grader.check(entry.exercise, entry.fn)
         missed = sorted(line.key for line in result.lines if line.tested and not line.met)
         first = _first_problem(result)
         caught += result.score < result.max_score

@@ -217,12 +217,13 @@ def preload() -> None:
     disk after a submission could have changed it (without root, the sandbox runs as the judge's user)."""
     from course_lib.exercises import registry
     from course_grader import channel, notebook, reading, results, sandbox  # noqa: F401 (cells: reading's child)
+    from course_grader.hidden_cases import grader_cases
     from course_lib.training import data_parallel, toy  # noqa: F401 - average_gradients' oracle
     from course_lib.viz import traffic_plots  # noqa: F401 - the traffic questions' formulas
 
     for exercise in registry.all_exercises():
         if exercise.kind == "function":
-            first = exercise.cases(hidden=True)[0]
+            first = grader_cases(exercise)[0]
             exercise.oracle(first, exercise.inputs(first))
         else:
             exercise.rubric

@@ -31,6 +31,7 @@ from fractions import Fraction
 from course_lib.exercises import QUESTION_NOT_DONE, registry, runner
 from course_lib.exercises.report import Result, format_points
 from course_grader import assign, reading
+from course_grader.hidden_cases import grader_cases
 from course_grader.notebook import NotebookError, code_cells, exercises_of_number, read_file
 from course_grader.reading import read_notebook
 from course_grader.sandbox import (Limits, Sandbox, SandboxDied, SandboxError, SandboxStartError, SandboxTimeout,
@@ -361,7 +362,7 @@ def _check_function(box, exercise, weights, case_timeout, left=lambda: float("in
         return runner.RankBatch(_int_keys(reply.get("records")), _int_keys(reply.get("stuck")),
                                 error[:2000] if isinstance(error, str) else None)
 
-    outcome = runner.drive(exercise, exercise.cases(hidden=True), run, case_timeout=case_timeout,
+    outcome = runner.drive(exercise, grader_cases(exercise), run, case_timeout=case_timeout,
                            budget=max(1.0, min(GRADING_BUDGET, left())))
     if outcome.not_done is not None:
         return Result.not_done(exercise, outcome.not_done, weights)

@@ -7,6 +7,7 @@ test_grade.py grades the full hidden cases through the sandbox.
 
 from __future__ import annotations
 
+from course_grader.hidden_cases import grader_cases
 from course_lib.exercises import registry, runner
 from course_lib.exercises.report import Result
 
@@ -16,7 +17,7 @@ SIZES = (1, 3, 4)
 def check(name, fn) -> Result:
     """`fn` checked as exercise `name` on the hidden cases of SIZES, scored by its rubric."""
     exercise = registry.get(name)
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in SIZES]
+    cases = [c for c in grader_cases(exercise) if c.world_size in SIZES]
     outcome = runner.run_function(exercise, fn, cases=cases)
     if outcome.not_done is not None:
         return Result.not_done(exercise, outcome.not_done)

@@ -25,6 +25,8 @@ import torch  # noqa: E402
 import course_lib  # noqa: E402
 import planted_bugs as pb  # noqa: E402
 from course_lib import allreduce, exercises, traffic  # noqa: E402
+import course_grader  # noqa: E402
+from course_grader.hidden_cases import grader_cases  # noqa: E402
 from course_lib.exercises import feedback, questions, registry, runner  # noqa: E402
 from course_lib.exercises.report import Result  # noqa: E402
 from course_lib.viz import traffic_plots  # noqa: E402
@@ -32,7 +34,7 @@ from course_lib.viz import traffic_plots  # noqa: E402
 
 def _run(entry, sizes=(1, 3), case_timeout=2.0):
     exercise = registry.get(entry.exercise)
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
+    cases = [c for c in grader_cases(exercise) if c.world_size in sizes]
     outcome = runner.run_function(exercise, entry.fn, cases=cases, case_timeout=case_timeout)
     assert outcome.not_done is None, outcome.not_done
     return Result.of_cases(exercise, outcome.cases, hidden=True), outcome
@@ -152,7 +154,7 @@ def test_a_deadlock_names_the_ranks_waiting_for_each_other_and_where():
 def _counted_drive(fn, sizes, case_timeout):
     """runner.drive on the real ranks, with every launch it asks for recorded as (world size, cases, timeout)."""
     exercise = registry.get("ring_scatter_reduce")
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
+    cases = [c for c in grader_cases(exercise) if c.world_size in sizes]
     launches = []
 
     def run(world_size, batch, inputs, first_index, timeout):
@@ -351,7 +353,7 @@ def test_an_unfinished_exercise_is_not_done_yet_not_an_error():
         raise NotImplementedError("your code here")
 
     started = time.monotonic()
-    result = exercises.check("ring_scatter_reduce", ring_scatter_reduce, hidden=True)
+    result = course_grader.check("ring_scatter_reduce", ring_scatter_reduce)
     assert (result.score, result.status) == (0.0, "not done")
     assert "not done yet: ring_scatter_reduce still raises NotImplementedError" in repr(result)
     assert time.monotonic() - started < 10
@@ -365,9 +367,9 @@ def test_the_visible_check_of_a_correct_ring_passes_on_every_world_size_up_to_8(
     assert {c.case.world_size for c in result.cases} == {1, 2, 3, 4, 5, 8}
     assert any(c.case.numel % c.case.world_size for c in result.cases)
     assert {c.case.data for c in result.cases} == {"tagged", "random"}
-    hidden = registry.get("ring").cases(hidden=True)
+    hidden = grader_cases(registry.get("ring"))
     assert {c.world_size for c in hidden} == set(range(1, 9)) and len(hidden) > len(result.cases)
-    visible = registry.get("ring").cases(hidden=False)
+    visible = registry.get("ring").cases()
     assert repr(result) == f"ring: 5/5 points, all {len(visible)} cases passed (G = 1, 2, 3, 4, 5, 8)"
     assert {k: v for k, v in result.to_dict().items() if k != "lines"} == {
         "name": "ring", "score": 5.0, "max_score": 5.0, "output": repr(result)}

@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 import planted_bugs_part2 as pb  # noqa: E402
+from course_grader.hidden_cases import grader_cases  # noqa: E402
 from course_lib.exercises import registry, runner  # noqa: E402
 from course_lib.exercises.report import Result  # noqa: E402
 
@@ -22,7 +23,7 @@ PART_TWO = ("08", "09", "10", "11")
 
 def _run(exercise_name, fn, sizes, case_timeout=2.0):
     exercise = registry.get(exercise_name)
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
+    cases = [c for c in grader_cases(exercise) if c.world_size in sizes]
     outcome = runner.run_function(exercise, fn, cases=cases, case_timeout=case_timeout)
     assert outcome.not_done is None, outcome.not_done
     return Result.of_cases(exercise, outcome.cases, hidden=True), outcome
@@ -86,7 +87,7 @@ def test_the_fit_exercise_asks_for_the_relative_fit_and_plain_least_squares_is_n
     from course_lib.exercises import fitting
 
     exercise = registry.get("fit_alpha_beta")
-    for case in exercise.cases(hidden=True):
+    for case in grader_cases(exercise):
         (inputs,) = exercise.inputs(case)
         alpha, beta = fitting.relative_fit(inputs["sizes"], inputs["times"])
         reference = cost.fit(cost.Model("one message", lambda g: 1.0, lambda g: 1.0, lambda g: 0.0, "a + n b"),

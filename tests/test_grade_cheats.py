@@ -133,8 +133,13 @@ CHEATS = {
     "changes_the_hidden_cases": '''
         from course_lib.exercises import cases, registry
         from course_lib.exercises.registry import Case
-        cases.standard_cases = lambda hidden=False, **k: [Case(1, 3)]
-        type(registry.get("ring_scatter_reduce")).cases = lambda self, hidden=False: [Case(1, 3)]
+        cases.standard_cases = lambda *a, **k: [Case(1, 3)]
+        type(registry.get("ring_scatter_reduce")).cases = lambda self, *a, **k: [Case(1, 3)]
+        try:                                          # the grader's own cases, where the sandbox can import them
+            from course_grader import hidden_cases
+            hidden_cases.grader_cases = lambda exercise: [Case(1, 3)]
+        except ImportError:
+            pass
 
         def ring_scatter_reduce(tensor):
             return 0''',

@@ -11,6 +11,7 @@ import torch
 
 import planted_bugs_hierarchical as pb
 from rubric_checks import missed
+from course_grader.hidden_cases import grader_cases
 from course_lib.exercises import feedback, registry, runner
 from course_lib.exercises.report import Result
 
@@ -19,7 +20,7 @@ NAME = "hierarchical_allreduce"
 
 def _check(fn, sizes):
     exercise = registry.get(NAME)
-    cases = [c for c in exercise.cases(hidden=True) if c.world_size in sizes]
+    cases = [c for c in grader_cases(exercise) if c.world_size in sizes]
     outcome = runner.run_function(exercise, fn, cases=cases, case_timeout=3.0)
     return Result.of_cases(exercise, outcome.cases, hidden=True), outcome
 

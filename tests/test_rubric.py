@@ -15,6 +15,7 @@ import pytest
 import planted_bugs as pb
 from rubric_checks import assert_named as _assert_named, check as _check, missed as _missed
 from course_lib import exercises
+from course_grader.hidden_cases import grader_cases
 from course_lib.exercises import registry, rubric_file
 from course_lib.exercises.questions import Slip
 from course_lib.exercises.report import Result
@@ -117,7 +118,7 @@ def test_every_rubric_line_is_tested_by_the_hidden_cases():
     for exercise in registry.all_exercises(include_pending=True):
         if exercise.kind != "function":
             continue
-        cases = exercise.cases(hidden=True)
+        cases = grader_cases(exercise)
         families = [line for line in exercise.rubric if line.family]
         core = [c for c in cases if not any(line.family.test(c) for line in families)]
         assert core, exercise.name

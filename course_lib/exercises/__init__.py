@@ -5,12 +5,14 @@
     result.score, result.max_score, result.passed, result.feedback
     exercises.list()                                                       # every exercise
 
-`check(name, answer, *, hidden=False)` returns a `Result`: in a notebook it shows as a report (the
+`check(name, answer)` returns a `Result`: in a notebook it shows as a report (the
 first problem, in the learner's terms, read from what the ranks really sent; the rubric, each line met or
 missed with its points; a table of the cases; for the ring a picture of the step that went wrong); its text
 form is short and stable. Points are split over rubric lines (the schedule, the values, the return value,
 uneven lengths, ...: `rubric.py`), so code with one systematic slip keeps the points of what it got right.
-``hidden=True`` adds the grader's cases (more world sizes, lengths, roots, seeds).
+The cases it runs are the exercise's visible ones (`Exercise.cases()`). The grader's hidden cases (more world
+sizes, lengths, roots, seeds) are not in course_lib: they are the instructor's, in the `course_grader` package
+(``course_grader.check(name, answer)`` runs them with the visible ones).
 
 `check` runs everything in the learner's own process: it is for learning. Grading
 (``python -m course_grader``) runs the learner's code in a sandbox and judges the data that comes
@@ -109,14 +111,25 @@ __all__ = ["check", "list", "list_exercises", "Result", "ExerciseInfo"]
 QUESTION_NOT_DONE = "not done yet: give your answer in the cell above, then run the check."
 
 
-def check(name: str, answer, *, hidden: bool = False) -> Result:
+HIDDEN_CASES_MOVED = (
+    "check({name!r}, ..., hidden=True): the hidden cases are the instructor's, and they are not in course_lib any "
+    "more: they live in the grader's own package, course_grader (installed from a clone of the course's repository "
+    "with `python -m pip install -e ./course_grader`, see README.md, 'Teaching with it'). Call "
+    "exercises.check({name!r}, {answer}) for the visible cases; where course_grader is installed, "
+    "`from course_grader import check` and check({name!r}, {answer}) runs its hidden cases as well.")
+
+
+def check(name: str, answer, *, cases=None, hidden: bool = False) -> Result:
     """Check the learner's `answer` to exercise `name`.
 
     Args:
         name: the exercise (see `list()`).
         answer: for a function exercise, the learner's function; for a question, the answer (a number,
             a letter, a formula string, or a function of G and N).
-        hidden: also run the grader's hidden cases.
+        cases: the cases to run (function exercises only); default the exercise's visible cases,
+            `registry.get(name).cases()`. The grader passes its own (`course_grader.check`); the report says
+            "hidden cases included" when one of them is a hidden case.
+        hidden: only False, what older notebooks pass; True is an error that says where the hidden cases went.
 
     Returns:
         A `Result`: ``.score``, ``.max_score``, ``.passed``, ``.feedback``; shown as a report in a notebook.
@@ -129,6 +142,10 @@ def check(name: str, answer, *, hidden: bool = False) -> Result:
         0.0
     """
     exercise = registry.get(name)
+    if hidden:
+        raise ValueError(HIDDEN_CASES_MOVED.format(name=name, answer=exercise.answer_name))
+    if cases is not None and exercise.kind != "function":
+        raise TypeError(f"check({name!r}, ..., cases=...): {name} is a question, it has no cases to run")
     if exercise.kind == "question":
         try:
             if callable(answer) and exercise.answer_kind != "formula":
@@ -142,10 +159,11 @@ def check(name: str, answer, *, hidden: bool = False) -> Result:
     if not callable(answer):
         raise TypeError(f"check({name!r}, ...) needs your function {exercise.signature}, not a "
                         f"{type(answer).__name__}: pass the function itself, without calling it.")
-    outcome = runner.run_function(exercise, answer, hidden=hidden)
+    cases = exercise.cases() if cases is None else builtins.list(cases)   # `list` here is list_exercises
+    outcome = runner.run_function(exercise, answer, cases=cases)
     if outcome.not_done is not None:
         return Result.not_done(exercise, outcome.not_done)
-    return Result.of_cases(exercise, outcome.cases, hidden)
+    return Result.of_cases(exercise, outcome.cases, hidden=any(case.hidden for case in cases))
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,8 @@ class Naive(FunctionExercise):
 
 
 class ParameterServer(FunctionExercise):
-    def cases(self, hidden=False):
-        return standard_cases(hidden, rooted=True)
+    def cases(self):
+        return standard_cases(rooted=True)
 
     def run_case(self, call, case, rank, world_size, inputs):
         return _run_all_reduce_case(lambda tensor: call(tensor, root=case.root), case, rank, world_size, inputs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.exercises import data
-from course_lib.exercises.cases import VISIBLE_SIZES, HIDDEN_SIZES, clone, portable, standard_cases
+from course_lib.exercises.cases import VISIBLE_SIZES, clone, portable, standard_cases
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
 from course_lib.exercises.rubric import OTHER_ROOTS, SINGLE_RANK, RubricLine
 
@@ -49,18 +49,22 @@ def _unexplained(rank, what: str) -> Problem:
 # --------------------------------------------------------------------------------------------------
 
 
+def pass_token_cases(sizes: tuple = VISIBLE_SIZES) -> list[Case]:
+    """For every G in `sizes`: a token of one tagged element (100 + rank, easy to follow), then for G > 1 one of
+    three random elements."""
+    cases = []
+    for G in sorted(sizes):
+        cases.append(Case(G, 1, "tagged"))
+        if G > 1:
+            cases.append(Case(G, 3, "random", 1))
+    return cases
+
+
 class PassToken(FunctionExercise):
     observed = ("returned",)
 
-    def cases(self, hidden=False):
-        sizes = sorted(VISIBLE_SIZES + (HIDDEN_SIZES if hidden else ()))
-        cases = []
-        for G in sizes:
-            extra = G in HIDDEN_SIZES
-            cases.append(Case(G, 1, "tagged", hidden=extra))
-            if G > 1:
-                cases.append(Case(G, 3, "random", 1, hidden=extra))
-        return cases
+    def cases(self):
+        return pass_token_cases()
 
     def inputs(self, case):
         if case.data == "tagged":
@@ -145,8 +149,8 @@ class PassToken(FunctionExercise):
 class Broadcast(FunctionExercise):
     observed = ("after",)
 
-    def cases(self, hidden=False):
-        return standard_cases(hidden, rooted=True)
+    def cases(self):
+        return standard_cases(rooted=True)
 
     def oracle(self, case, inputs):
         return [{"start": t.clone(), "expected": inputs[case.root].clone()} for t in inputs]

@@ -27,10 +27,11 @@ from __future__ import annotations
 import torch
 
 from course_lib.exercises import data
-from course_lib.exercises.cases import HIDDEN_SIZES, clone
-from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
+from course_lib.exercises.cases import clone
+from course_lib.exercises.registry import FunctionExercise, Problem, register
 from course_lib.exercises.rubric import SINGLE_RANK, RubricLine
-from course_lib.exercises.training_step import BATCH, LR, STEPS, _dataset, _global_batches, _model, _one_thread
+from course_lib.exercises.training_step import (BATCH, LR, STEPS, _dataset, _global_batches, _model, _one_thread,
+                                                training_cases)
 
 __all__ = ["RingHook", "BUCKET_CAP_MB"]
 
@@ -40,14 +41,8 @@ BUCKET_CAP_MB = 0.0001    # 104 bytes: 26 float32 gradients per bucket, so a 63-
 class RingHook(FunctionExercise):
     observed = ("calls", "parameters")
 
-    def cases(self, hidden=False):
-        sizes = (1, 2, 3, 4) + ((5, 8) + HIDDEN_SIZES if hidden else ())
-        cases = []
-        for G in sorted(sizes):
-            cases.append(Case(G, 0, "random", seed=1, hidden=G not in (1, 2, 3, 4)))     # the 63-parameter model
-            if hidden and G > 1:
-                cases.append(Case(G, 0, "tagged", seed=0, hidden=True))                 # the 123-parameter one
-        return cases
+    def cases(self):
+        return training_cases("random")       # the 63-parameter model, G = 1..4
 
     def inputs(self, case):
         return [None] * case.world_size              # the model and the data are made from the case's seeds

@@ -20,7 +20,7 @@ every other, and alpha comes from the small messages, where it is the whole time
 Cases (one rank: the function does arithmetic, no messages):
     exact      timings straight from the model (any correct least squares recovers alpha and beta exactly)
     noisy      the model times (1 + e), e ~ 2% seeded noise, on the bandwidth-bound link (20 us, 100 MB/s)
-    measured   (hidden) a ping-pong over course_lib.Network("1 GB/s", "5 ms") (5 ms and 1e-9 s/B), recorded on
+    measured   (the grader's cases only) a ping-pong over course_lib.Network("1 GB/s", "5 ms") (5 ms and 1e-9 s/B), recorded on
                this machine's clock (time.perf_counter) by an earlier course_lib whose link slept until each
                message was due: this machine's own cost per message and its noise are in the times (today's
                modeled clock would give a + S/B exactly, with nothing to test the weighting on)
@@ -141,15 +141,11 @@ def _read_back(alpha, beta, want_alpha, want_beta, tol):
 class FitAlphaBeta(FunctionExercise):
     observed = ("returned",)
 
-    def cases(self, hidden=False):
+    def cases(self):
         # seed picks the link (seed mod 3) and the noise; the noisy cases are on the bandwidth-bound link, where the
         # largest messages' noise is far larger than alpha (on the others plain least squares comes out near right)
-        cases = [Case(1, len(SIZES), "exact", 0), Case(1, len(SIZES), "exact", 1),
-                 Case(1, len(SIZES), "noisy", 1), Case(1, len(SIZES), "noisy", 4)]
-        if hidden:
-            cases += [Case(1, len(SIZES), "exact", 2, hidden=True), Case(1, len(SIZES), "noisy", 7, hidden=True),
-                      Case(1, len(SIZES), "noisy", 10, hidden=True), Case(1, len(SIZES), "measured", 0, hidden=True)]
-        return cases
+        return [Case(1, len(SIZES), "exact", 0), Case(1, len(SIZES), "exact", 1),
+                Case(1, len(SIZES), "noisy", 1), Case(1, len(SIZES), "noisy", 4)]
 
     def inputs(self, case):
         sizes, times = _timings(case)

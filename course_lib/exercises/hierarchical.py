@@ -68,7 +68,8 @@ from course_lib.recording import record_schedule  # noqa: F401 - notebook 13 cal
 from course_lib.schedules import pieces
 
 __all__ = ["HierarchicalAllReduce", "Layout", "Expected", "Ring", "plan", "STYLES", "DEFAULT_STYLE", "positional_input",
-           "record_schedule", "draw_schedule", "timed_clusters", "THRESHOLD", "TIMED_BYTES", "node_sizes_for"]
+           "record_schedule", "draw_schedule", "timed_clusters", "THRESHOLD", "TIMED_BYTES", "node_sizes_for",
+           "hierarchical_cases", "timed_case", "in_check_order"]
 
 KiB, MiB = 1024, 1024 * 1024
 TIMED_BYTES = 1 * MiB       # bytes per rank of the timed cases
@@ -565,29 +566,21 @@ def _best_style(case, layout, records, complete):
 # --------------------------------------------------------------------------------------------------
 
 VISIBLE_SIZES = (1, 2, 3, 4, 5, 8)
-HIDDEN_SIZES = (6, 7)
+TIMED_NODE_SIZE = 4          # the check's timed case: 2 nodes of 4
 
 
-def node_sizes_for(world_size: int, hidden: bool = False) -> dict:
-    """{'divides': [node sizes that divide G, 1 < K < G first, or K >= G], 'partial': [sizes that leave a smaller
-    last node]} for the cases of G ranks."""
+def node_sizes_for(world_size: int) -> dict:
+    """{'divides': [the largest node size 1 < K < G that divides G, else G], 'partial': [the smallest K that leaves a
+    smaller last node, if any]}: the node sizes of the check's cases of G ranks."""
     G = world_size
     proper = [K for K in range(2, G) if G % K == 0]
-    divides = ([max(proper)] if proper else [G]) + ([1] if hidden and G > 1 else [])
-    if hidden and len(proper) > 1:
-        divides.append(min(proper))
-    if hidden and proper and G not in divides:
-        divides.append(G)
-    partial = [K for K in range(2, G) if G % K and G // K >= 1]
-    chosen = []
-    if partial:
-        chosen.append(partial[0])                      # the smallest: the most folded ranks
-        if hidden and partial[-1] != partial[0]:
-            chosen.append(partial[-1])
-    return {"divides": list(dict.fromkeys(divides)), "partial": chosen}
+    partial = [K for K in range(2, G) if G % K]
+    return {"divides": [max(proper)] if proper else [G],
+            "partial": partial[:1]}                     # the smallest: the most folded ranks
 
 
-def _even_numel(world_size, node_size, factor=2):
+def even_numel(world_size, node_size, factor=2):
+    """factor x k x M elements: a length that splits evenly into k chunks on each of the M nodes that take part."""
     layout = Layout(world_size, node_size)
     return factor * layout.k * layout.nodes
 
@@ -609,32 +602,32 @@ PARTIAL_NODE = Family("a node size that does not divide G (the smaller last node
 TIMED = Family(f"timed at {TIMED_BYTES // MiB} MiB per rank on two modeled clusters", lambda case: case.data == "timed")
 
 
-def hierarchical_cases(hidden: bool = False) -> list:
-    """The check's cases: G = 1..5 and 8 (the grader adds 6 and 7), node sizes that divide G and some that do not,
-    tagged and random data, lengths that divide and some that do not; one timed case on 2 nodes of 4 (the
-    grader adds 4 nodes of 2). A case's `root` is its node size."""
+def hierarchical_cases(sizes: tuple = VISIBLE_SIZES) -> list:
+    """The check's untimed cases for every G in `sizes` (G = 1..5 and 8): for G > 1, on the node size of
+    `node_sizes_for(G)` that divides G, tagged lengths that divide and one that does not (2G + 1) and random data;
+    on a node size that leaves a smaller last node, tagged data. A case's `root` is its node size."""
     cases = []
-    for G in sorted(VISIBLE_SIZES + (HIDDEN_SIZES if hidden else ())):
-        extra = G in HIDDEN_SIZES
+    for G in sorted(sizes):
         if G == 1:
-            cases += [Case(1, 5, "tagged", 0, 1, hidden=extra)] + ([Case(1, 3, "tagged", 0, 2, hidden=True)] if hidden else [])
+            cases.append(Case(1, 5, "tagged", 0, 1))
             continue
-        sizes = node_sizes_for(G, hidden)
-        main, *others = sizes["divides"]
-        cases += [Case(G, _even_numel(G, main, 2), "tagged", 0, main, hidden=extra),
-                  Case(G, 2 * G + 1, "tagged", 0, main, hidden=extra),
-                  Case(G, _even_numel(G, main, 3), "random", 1, main, hidden=extra)]
-        if hidden:
-            cases += [Case(G, max(G - 1, 1), "tagged", 0, main, hidden=True),
-                      Case(G, 200 + G, "random", 3, main, hidden=True)]
-            cases += [Case(G, _even_numel(G, K, 2), "tagged", 0, K, hidden=True) for K in others]
-        for n, K in enumerate(sizes["partial"]):
-            cases.append(Case(G, _even_numel(G, K, 2), "tagged", 0, K, hidden=extra or n > 0))
-            if hidden and n == 0:
-                cases.append(Case(G, _even_numel(G, K, 4), "random", 4, K, hidden=True))
-    cases.append(Case(8, TIMED_BYTES // 4, "timed", 0, 4))
-    if hidden:
-        cases.append(Case(8, TIMED_BYTES // 4, "timed", 0, 2, hidden=True))
+        node_sizes = node_sizes_for(G)
+        main = node_sizes["divides"][0]
+        cases += [Case(G, even_numel(G, main, 2), "tagged", 0, main),
+                  Case(G, 2 * G + 1, "tagged", 0, main),
+                  Case(G, even_numel(G, main, 3), "random", 1, main)]
+        cases += [Case(G, even_numel(G, K, 2), "tagged", 0, K) for K in node_sizes["partial"]]
+    return cases
+
+
+def timed_case(world_size: int, node_size: int) -> Case:
+    """A timed case: TIMED_BYTES per rank on `world_size` ranks in nodes of `node_size`."""
+    return Case(world_size, TIMED_BYTES // 4, "timed", 0, node_size)
+
+
+def in_check_order(cases) -> list:
+    """The order the cases run and are reported in: by G, the untimed cases first, the grader's after the check's,
+    then by node size and length."""
     return sorted(cases, key=lambda c: (c.world_size, c.data == "timed", c.hidden, c.root, c.numel))
 
 
@@ -664,8 +657,8 @@ def _seconds(value: float) -> str:
 class HierarchicalAllReduce(FunctionExercise):
     observed = ("after", "samples", "events")
 
-    def cases(self, hidden=False):
-        return hierarchical_cases(hidden)
+    def cases(self):
+        return in_check_order(hierarchical_cases() + [timed_case(8, TIMED_NODE_SIZE)])
 
     def inputs(self, case):
         if case.data == "timed":

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.exercises import data
-from course_lib.exercises.cases import HIDDEN_SIZES, clone
-from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
+from course_lib.exercises.cases import clone
+from course_lib.exercises.registry import FunctionExercise, Problem, register
 from course_lib.exercises.rubric import SINGLE_RANK, RubricLine
 from course_lib.exercises.training_step import (BATCH, LR, STEPS, AverageGradients, _dataset, _global_batches,
-                                                _model, _one_thread)
+                                                _model, _one_thread, training_cases)
 
 __all__ = ["OverlappedBuckets", "Zero1Step", "BUCKET_BYTES", "MOMENTUM", "plan"]
 
@@ -55,16 +55,6 @@ def plan(model, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
         if held >= bucket_bytes:
             buckets, current, held = buckets + [current], [], 0
     return buckets + ([current] if current else [])
-
-
-def _cases(hidden):
-    sizes = (1, 2, 3, 4) + ((5, 8) + HIDDEN_SIZES if hidden else ())
-    cases = []
-    for G in sorted(sizes):
-        cases.append(Case(G, 0, "tagged", seed=0, hidden=G not in (1, 2, 3, 4)))     # the 123-parameter model
-        if hidden and G > 1:
-            cases.append(Case(G, 0, "random", seed=1, hidden=True))                 # the 63-parameter one
-    return cases
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,10 +106,7 @@ class _CommunicationThread:
 
 
 class OverlappedBuckets(AverageGradients):
-    observed = ("averaged", "parameters", "events")
-
-    def cases(self, hidden=False):
-        return _cases(hidden)
+    observed = ("averaged", "parameters", "events")     # its cases are average_gradients' (the 123-parameter model)
 
     def run_case(self, call, case, rank, world_size, inputs):
         from course_lib.training.data_parallel import flat_gradient, flat_parameters
@@ -222,9 +209,9 @@ def _overlap_problems(events, buckets, names, rank, G):
 class Zero1Step(FunctionExercise):
     observed = ("parameters", "state_bytes", "step_messages")
 
-    def cases(self, hidden=False):
+    def cases(self):
         import course_lib.training  # noqa: F401 - imported once here, not in every forked rank
-        return _cases(hidden)
+        return training_cases("tagged")       # the 123-parameter model, G = 1..4
 
     def inputs(self, case):
         return [None] * case.world_size

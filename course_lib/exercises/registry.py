@@ -11,7 +11,7 @@ Two kinds:
 A function exercise is split along the line a grader must not cross (see docs/architecture.md):
 
     judge side (never runs the learner's code)        rank side (the learner's processes)
-    cases(hidden)        which cases run               run_case(call, case, rank, G, inputs)
+    cases()              which cases run               run_case(call, case, rank, G, inputs)
     inputs(case)         every rank's input data          builds the arguments from `inputs`,
     oracle(case, inputs) what each rank must end with     calls the learner's function, returns
     judge(case, records) the problems, each tagged        what it produced (only the keys named
@@ -112,7 +112,9 @@ class FunctionExercise(Exercise):
     """An SPMD function the learner writes; subclasses define the cases and how to judge them.
 
     Subclasses implement (judge side: computed where the grader runs, never from what a rank says):
-        cases(hidden) -> list[Case]    (optional: by default `cases.standard_cases(hidden)`)
+        cases() -> list[Case]    (optional: by default `cases.standard_cases()`)
+            The cases the learner's check runs. The grader runs more (course_grader's hidden cases),
+            built from these: course_lib has no hidden case.
         inputs(case) -> list           (optional: by default one tensor per rank, `data.make_input`)
             Rank r's input for the case; it travels to the ranks as data.
         oracle(case, inputs) -> list[dict]   (optional: by default the all-reduce's: start, expected, abs_sum)
@@ -149,10 +151,10 @@ class FunctionExercise(Exercise):
         """Lines the report adds after the verdict (the capstone's table of where the time went); none by default."""
         return []
 
-    def cases(self, hidden: bool = False) -> list[Case]:
-        """The usual cases (world sizes, lengths, tagged and random data); exercises that need roots or
-        other sizes override this."""
-        return standard_cases(hidden)
+    def cases(self) -> list[Case]:
+        """The check's cases: the standard ones (world sizes, lengths, tagged and random data); exercises that
+        need roots or other sizes override this."""
+        return standard_cases()
 
     def inputs(self, case: Case) -> list:
         """Every rank's input tensor for `case` (tagged or seeded random data, see `data.make_input`)."""

@@ -695,15 +695,15 @@ def drive(exercise, cases, run, *, case_timeout: float | None = None, budget: fl
     return Outcome(ordered)
 
 
-def run_function(exercise, fn, hidden: bool = False, *, case_timeout: float | None = None,
+def run_function(exercise, fn, *, case_timeout: float | None = None,
                  budget: float | None = None, cases=None) -> Outcome:
     """Run every case of `exercise` on `fn` in this process's ranks and judge them here (the learner's check).
 
     Args:
         case_timeout, budget: seconds per case and for the whole check (default: CASE_TIMEOUT, BUDGET).
-        cases: run these cases instead of the exercise's own (tests use a few to stay fast).
+        cases: run these cases instead of the exercise's own (the grader's, or a few of them in a test).
     """
-    cases = exercise.cases(hidden) if cases is None else list(cases)
+    cases = exercise.cases() if cases is None else list(cases)
 
     def run(world_size, batch, inputs, first_index, timeout):
         return run_batch(exercise.name, fn, world_size, batch, inputs, first_index, timeout)

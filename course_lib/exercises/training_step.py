@@ -29,13 +29,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib.exercises.cases import HIDDEN_SIZES, clone
+from course_lib.exercises.cases import clone
 from course_lib.exercises.registry import Case, FunctionExercise, Problem, register
 from course_lib.exercises.rubric import SINGLE_RANK, RubricLine
 
-__all__ = ["AverageGradients", "STEPS", "BATCH"]
+__all__ = ["AverageGradients", "STEPS", "BATCH", "TRAINING_SIZES", "training_cases"]
 
 STEPS, BATCH, LR = 3, 4, 0.5
+TRAINING_SIZES = (1, 2, 3, 4)      # the check's world sizes for the exercises that train a model
+MODEL_SEEDS = {"tagged": 0, "random": 1}
+
+
+def training_cases(model: str, sizes: tuple = TRAINING_SIZES) -> list[Case]:
+    """One case per G in `sizes`, all on one model: a case's data names its model ('tagged': the 123-parameter
+    MLP, 'random': the 63-parameter one; N is unused), its seed (0 and 1) the model's weights and data."""
+    return [Case(G, 0, model, seed=MODEL_SEEDS[model]) for G in sorted(sizes)]
 
 
 def _model(case):
@@ -94,16 +102,9 @@ def _one_thread():
 class AverageGradients(FunctionExercise):
     observed = ("averaged", "parameters")
 
-    def cases(self, hidden=False):
+    def cases(self):
         import course_lib.training  # noqa: F401 - imported once here, not in every forked rank
-        sizes = (1, 2, 3, 4) + ((5, 8) + HIDDEN_SIZES if hidden else ())
-        cases = []
-        for G in sorted(sizes):
-            extra = G not in (1, 2, 3, 4)
-            cases.append(Case(G, 0, "tagged", seed=0, hidden=extra))  # 'tagged' = the 123-parameter model
-            if hidden and G > 1:
-                cases.append(Case(G, 0, "random", seed=1, hidden=True))
-        return cases
+        return training_cases("tagged")
 
     def inputs(self, case):
         return [None] * case.world_size          # the model and the data are made from the case's seeds
