@@ -335,10 +335,11 @@ def pytest_xdist_make_scheduler(config, log):
 # CPU seconds per test, beside the wall-clock duration (a junit property `cpu_s`)
 # --------------------------------------------------------------------------------------------------
 # On 2 cores the suite is bound by CPU, not by waiting: what a test costs the run is the CPU its processes use,
-# which a wall-clock duration overstates for a test that mostly waits (a timeout, ranks taking turns) and
-# understates for none. Counted: the worker itself and every process it and its descendants waited for (a
-# notebook's kernel when it shuts down, the ranks a kernel launched, a grader and its sandboxes). Not counted: a
-# process nobody waited for. A kernel shared by a notebook's cells is counted in the cell during which it ends.
+# which a wall-clock duration overstates for a test that mostly waits (a timeout, ranks taking turns).
+# Counted: the worker itself and every process it and its descendants waited for (a notebook's kernel when it
+# shuts down, the ranks a kernel launched, a grader and its users-mode sandboxes). Not counted: a process nobody
+# in that chain waited for (a namespaces-mode sandbox, reaped by its own PID namespace's init; a browser's or
+# Jupyter server's). A kernel shared by a notebook's cells is counted in the cell during which it ends.
 
 def _cpu_seconds() -> float:
     import resource
