@@ -136,6 +136,9 @@ def _descendants(root):
     return found
 
 
+_REAPED = set()     # every pid this warden has reaped: a pid once reaped may belong to anyone afterwards
+
+
 def _reap():
     """Collect every child that has ended: {pid: wait status}."""
     ended = {}
@@ -147,6 +150,7 @@ def _reap():
         if pid == 0:
             return ended
         ended[pid] = status
+        _REAPED.add(pid)
 
 
 def _running(pid):
@@ -160,9 +164,14 @@ def _running(pid):
 
 def _kill_below(me, first, spare=()):
     """SIGKILL `first` (its session too) and every descendant of `me`, until none is left. Returns how many
-    processes other than those in `spare` were still running: what the sandbox left behind."""
+    processes other than those in `spare` were still running: what the sandbox left behind.
+
+    Once reaped, `first` is not signalled: its pid (and a process group of that number) may be another
+    process's by then. What it left below the warden is found as the warden's descendants all the same."""
     left = [pid for pid in _descendants(me) if pid not in spare and pid != first and _running(pid)]
-    for target in (lambda: os.killpg(first, signal.SIGKILL), lambda: os.kill(first, signal.SIGKILL)):
+    targets = () if first in _REAPED else (lambda: os.killpg(first, signal.SIGKILL),
+                                           lambda: os.kill(first, signal.SIGKILL))
+    for target in targets:
         try:
             target()
         except OSError:

@@ -834,3 +834,26 @@ def test_a_limit_the_warden_reports_late_still_names_the_limit():
         os.close(read_from_kernel)
         for stream in (warden.stdin, warden.stdout, warden.stderr):
             stream.close()
+
+
+def test_the_warden_never_signals_a_pid_it_has_already_reaped(monkeypatch):
+    """The warden reaps the sandbox's first process when it ends; by the time it kills what is left, that pid (and a
+    process group of that number) may belong to another process: it signals it only while it is not yet reaped."""
+    warden = sandbox._warden_module()
+    childless = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])   # `me` with no descendants
+    signalled = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append(("kill", pid)))
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: signalled.append(("killpg", pid)))
+    try:
+        first = 2 ** 22 + 7                            # a pid number no process has (pid_max is at most 2**22)
+        assert warden._kill_below(childless.pid, first) == 0
+        assert signalled == [("killpg", first), ("kill", first)]       # not reaped yet: it and its group
+        signalled.clear()
+        warden._REAPED.add(first)
+        assert warden._kill_below(childless.pid, first) == 0
+        assert signalled == []
+    finally:
+        warden._REAPED.discard(first)
+        monkeypatch.undo()
+        childless.kill()
+        childless.wait()
