@@ -857,3 +857,29 @@ def test_the_warden_never_signals_a_pid_it_has_already_reaped(monkeypatch):
         monkeypatch.undo()
         childless.kill()
         childless.wait()
+
+
+def test_the_sweep_finds_what_a_user_could_have_made_and_skips_folders_it_could_never_enter(tmp_path):
+    """The sweep (`owned_files`) finds a user's entries wherever that user could have made them: in folders others
+    may enter, or its group may; it does not read folders only their owner may enter (a closed checkout, a
+    virtual environment in /tmp), as no entry of that user can be below one."""
+    warden = sandbox._warden_module()
+    uid, gid = 4_000_123, 4_000_123                          # a user and group no one has
+    top = tmp_path / "shared"
+    places = {"open": 0o711, "group": 0o710, "closed": 0o700}
+    for name, mode in places.items():
+        folder = top / name / "deeper"
+        folder.mkdir(parents=True)
+        (folder / "left.txt").write_text("x")
+        os.chown(folder / "left.txt", uid, gid)
+        os.chown(top / name, 0, gid if name == "group" else 0)
+        os.chmod(top / name, mode)
+    os.chmod(top, 0o1777)
+    found, _ = warden.owned_files(uid, [str(top)])
+    assert sorted(found) == [str(top / name / "deeper" / "left.txt") for name in ("group", "open")], found
+    own = top / "closed" / "mine"
+    own.mkdir()
+    os.chown(own, uid, gid)                                  # a folder of its own: it could never have made it there
+    assert str(own) not in warden.owned_files(uid, [str(top)])[0]
+    os.chmod(top / "closed", 0o701)                          # others may enter: now it could have
+    assert str(own) in warden.owned_files(uid, [str(top)])[0]
