@@ -313,8 +313,8 @@ _NOT_FILES = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs", "deb
 def shared_dirs() -> list[str]:
     """Every folder any user may write into (world-writable and reachable: /tmp, /var/tmp, /dev/shm,
     /dev/mqueue, /run/lock, ...), found once per grader by walking every mounted file system; one below another
-    is left out (a sweep walks all below each). What a sandbox user writes outside its own folder can only be
-    below one of these."""
+    is left out (a sweep walks all below each, but for folders it could never have entered). What a sandbox
+    user writes outside its own folder can only be below one of these."""
     return _scan()["dirs"]
 
 
