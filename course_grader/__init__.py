@@ -15,7 +15,8 @@ private temporary area; without them, as a user of their own, one student at a t
 removed after. The judge (`judge`) never runs the submission's code: it asks the sandbox for data only (values,
 the ranks' records), computes the cases, the inputs, the oracle and every point itself, and writes the results
 after the sandbox is gone. The hidden cases are here, not in course_lib (`hidden_cases`); `check` runs them in
-the caller's own process, as course_lib's check does (for the instructor's notebooks, not for grading). What a
+the caller's own process, as course_lib's check does (for an instructor's own runs, not for grading), and so do the
+check cells of notebooks/, with `grader_cases`, under nbgrader's autograde only (NBGRADER_EXECUTION=autograde). What a
 submission is graded on (its assignment, one copy per exercise) is decided from its files alone (`assign`). What
 it still trusts, and why: docs/architecture.md.
 

@@ -8,7 +8,9 @@ exercise is checked with the hidden cases), so the suite grades each notebook on
 * every solution notebook in notebooks/, in one call of the command (as Gradescope grades one student);
 * every student notebook in assignments/, in one call of the command;
 * the stored outputs: nbval (in the same test command) re-executes every notebook in notebooks/, and each
-  check cell's stored output is its score with the hidden cases (`test_every_check_cell_stores_full_marks`).
+  check cell's stored output is its full score on the visible cases, what the cell prints in a clone, on Binder
+  and on Colab alike; its hidden-test region takes the grader's cases only under nbgrader's autograde
+  (`test_every_check_cell_stores_full_marks`).
 
 The cheats a submission might try are in test_grade_cheats.py, Gradescope's layout in test_grade_gradescope.py.
 """
@@ -61,7 +63,7 @@ def _shown_text(cell):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_every_check_cell_stores_full_marks(name):
-    """Each check cell's stored result is full marks with the hidden cases; nbval keeps fresh runs equal to it."""
+    """Each check cell's stored result is full marks on the visible cases; nbval keeps fresh runs equal to it."""
     notebook = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     checked = []
     for cell in _check_cells(notebook):
@@ -73,8 +75,8 @@ def test_every_check_cell_stores_full_marks(name):
         for exercise in names:
             line = next(l for l in _shown_text(cell).splitlines() if l.startswith(exercise + ": "))
             assert line.startswith(f"{exercise}: {registry.get(exercise).points:g}/{registry.get(exercise).points:g} point")
-            if registry.get(exercise).kind == "function":
-                assert "hidden cases included" in line, line     # the notebook ran the grader's cases too
+            if registry.get(exercise).kind == "function":     # the visible cases: the grader's run under autograde
+                assert "hidden" not in line and f"all {len(registry.get(exercise).cases())} cases" in line, line
         checked += names
     assert sorted(checked) == sorted(grade.exercises_in(notebook, name)), "each exercise checked once, all of them"
     assert sorted(checked) == sorted(e.name for e in registry.all_exercises() if e.notebook + ".ipynb" == name)

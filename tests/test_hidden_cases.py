@@ -6,7 +6,9 @@ course_grader/hidden_cases.py builds the grader's list of every function exercis
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -40,18 +42,42 @@ def _check_cells() -> list:
     return cells
 
 
-def test_a_check_cell_takes_the_graders_cases_only_where_the_grader_is_installed():
+def _cases_of(before: str, execution, monkeypatch):
+    """What `cases` is after a check cell's lines before its check, with NBGRADER_EXECUTION = `execution` (None:
+    unset)."""
+    if execution is None:
+        monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    else:
+        monkeypatch.setenv("NBGRADER_EXECUTION", execution)
+    namespace = {}
+    exec(before, namespace)
+    return namespace["cases"]
+
+
+def test_a_check_cell_takes_the_graders_cases_only_under_nbgrader_autograde(monkeypatch):
+    """nbgrader sets NBGRADER_EXECUTION to 'autograde' while it autogrades and to 'validate' while it validates.
+    Only autograde runs the grader's cases; everywhere else (a clone, Binder, Colab, nbval, validate) the check cell
+    runs the visible ones, even where course_grader can be imported, as it can here and in any clone (the setup cell
+    puts the clone's root on sys.path)."""
+    assert importlib.util.find_spec("course_grader") is not None
     cells = _check_cells()
     assert {name for name, _ in cells} == {e.name for e in registry.all_exercises() if e.kind == "function"}
     for name, before in cells:
-        namespace = {}
-        exec(before, namespace)
-        assert namespace["cases"] == hidden_cases.grader_cases(name), name
-    # Where course_grader is not installed (Colab, a learner's machine) the same lines leave the visible check.
-    script = ("import sys, json\nsys.modules['course_grader'] = None\n"
+        assert _cases_of(before, "autograde", monkeypatch) == hidden_cases.grader_cases(name), name
+        assert _cases_of(before, None, monkeypatch) is None, name
+        assert _cases_of(before, "validate", monkeypatch) is None, name
+    # Where course_grader cannot be imported (Colab, a learner's machine) the same lines leave the visible check;
+    # under autograde they fail instead of grading on the visible cases alone.
+    script = ("import os, sys, json\nsys.modules['course_grader'] = None\n"
               f"for name, before in json.loads({json.dumps(json.dumps(cells))}):\n"
-              "    namespace = {}\n    exec(before, namespace)\n    assert namespace['cases'] is None, name\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+              "    os.environ.pop('NBGRADER_EXECUTION', None)\n"
+              "    namespace = {}\n    exec(before, namespace)\n    assert namespace['cases'] is None, name\n"
+              "    os.environ['NBGRADER_EXECUTION'] = 'autograde'\n"
+              "    try:\n        exec(before, {})\n    except ImportError:\n        pass\n"
+              "    else:\n        raise AssertionError(f'{name}: autograde without course_grader did not fail')\n")
+    env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
 
 

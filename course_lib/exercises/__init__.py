@@ -115,7 +115,7 @@ HIDDEN_CASES_MOVED = (
     "check({name!r}, ..., hidden=True): the hidden cases are the instructor's, and they are not in course_lib any "
     "more: they live in the grader's own package, course_grader (installed from a clone of the course's repository "
     "with `python -m pip install -e ./course_grader`, see README.md, 'Teaching with it'). Call "
-    "exercises.check({name!r}, {answer}) for the visible cases; where course_grader is installed, "
+    "exercises.check({name!r}, {answer}) for the visible cases; where course_grader can be imported, "
     "`from course_grader import check` and check({name!r}, {answer}) runs its hidden cases as well.")
 
 
