@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import pathlib
 import pwd
 import struct
 
@@ -37,7 +38,7 @@ def _comp(value: int) -> int:
 
 
 def read(path: str) -> list[dict]:
-    data = open(path, "rb").read()
+    data = pathlib.Path(path).read_bytes()
     out = []
     for offset in range(0, len(data) - RECORD.size + 1, RECORD.size):
         f = RECORD.unpack_from(data, offset)
@@ -71,8 +72,8 @@ def main(argv=None) -> None:
     by_pid = {p["pid"]: p for p in processes}
     kernels = [p for p in processes if p["uid"] != 0 and p["command"].startswith("python") and p["cpu"] >= 0.5
                and by_pid.get(p["ppid"], {"uid": 0})["uid"] == 0]
-    sandbox = sum(p["cpu"] for p in processes if p["uid"] != 0)
     if kernels:
+        sandbox = sum(p["cpu"] for p in processes if p["uid"] != 0)
         median = sorted(p["cpu"] for p in kernels)[len(kernels) // 2]
         print(f"sandbox kernels: {len(kernels)}, {sum(p['cpu'] for p in kernels):,.0f} s (median {median:.1f} s "
               f"each); all sandbox users' processes: {sandbox:,.0f} s")
