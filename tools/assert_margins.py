@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import math
 import pathlib
 import sys
 import tempfile
