@@ -233,6 +233,12 @@ else:
     _nbval_kernel.start_new_kernel = _start_kernel_again_if_it_died(_nbval_kernel.start_new_kernel)
 
 
+def is_exercise_check(cell) -> bool:
+    """An exercise's check cell: nbgrader's `grade` cell that is not a solution (it calls `exercises.check`)."""
+    grading = cell.get("metadata", {}).get("nbgrader", {})
+    return cell.cell_type == "code" and grading.get("grade", False) and not grading.get("solution", False)
+
+
 def execute_notebook(client):
     """`client.execute()` (an nbclient.NotebookClient) in a thread of its own, re-raising what it raised.
 

@@ -49,7 +49,7 @@ import sys
 import sysconfig
 
 import pytest
-from conftest import execute_notebook
+from conftest import execute_notebook, is_exercise_check
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -204,14 +204,9 @@ def test_a_notebook_runs_as_on_colab(name, tmp_path, colab_image, source_url):
     rules = _nbval_sanitizers()
     said = [(index, _text(was, rules), _text(now, rules)) for index, (was, now) in enumerate(zip(stored.cells,
                                                                                                notebook.cells))
-            if _is_check(was)]
+            if is_exercise_check(was)]
     assert said, "no exercise check cell to compare"
     assert [row for row in said if row[1] != row[2]] == [], said
-
-
-def _is_check(cell) -> bool:
-    grading = cell.get("metadata", {}).get("nbgrader", {})
-    return cell.cell_type == "code" and grading.get("grade", False) and not grading.get("solution", False)
 
 
 def _nbval_sanitizers() -> list[tuple[re.Pattern, str]]:

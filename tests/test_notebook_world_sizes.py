@@ -44,7 +44,7 @@ import symtable
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import execute_notebook
+from conftest import execute_notebook, is_exercise_check
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -66,15 +66,10 @@ def test_every_notebook_has_exactly_one_world_size_line():
         assert len(hits) == 1 and len(WORLD_SIZE_LINE.findall(hits[0].source)) == 1, path.name
 
 
-def _is_exercise_check(cell) -> bool:
-    grading = cell.get("metadata", {}).get("nbgrader", {})
-    return cell.cell_type == "code" and grading.get("grade", False) and not grading.get("solution", False)
-
-
 def test_exercise_checks_do_not_read_world_size():
     # The reason they may be left out above: no check cell reads WORLD_SIZE (or G), and one exists.
     checks = [cell for path in _notebooks() for cell in nbformat.read(path, as_version=4).cells
-              if _is_exercise_check(cell)]
+              if is_exercise_check(cell)]
     assert checks, "no exercise check cells found: has the nbgrader metadata changed?"
     for cell in checks:
         assert "WORLD_SIZE" not in cell.source and not re.search(r"\bG\b", cell.source), cell.source
@@ -306,11 +301,11 @@ def _planned_cells(path):
     their imports, the exercise checks to a comment, all without stored outputs. The plan is the same at any size."""
     notebook = nbformat.read(path, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    runs = world_size_plan([cell.source for cell in code if not _is_exercise_check(cell)])
+    runs = world_size_plan([cell.source for cell in code if not is_exercise_check(cell)])
     position = 0
     for cell in code:
         cell.execution_count, cell.outputs = None, []     # run from blank, not from the stored run
-        if _is_exercise_check(cell):
+        if is_exercise_check(cell):
             cell.source = "# exercise check: independent of WORLD_SIZE, run by nbval (see the module docstring)"
             continue
         if position not in runs:
