@@ -28,6 +28,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -51,16 +52,16 @@ VARIANTS = {
 
 def measure(code: str) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of one fresh interpreter running `code`."""
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    error = child.stderr.read().decode(errors="replace")
-    child.stderr.close()
-    if child.returncode != 0:
-        raise SystemExit(f"the variant failed ({child.returncode}):\n{code}\n{error[-2000:]}")
+    with tempfile.TemporaryFile() as errors:       # a file, not a pipe: a child that writes much cannot block
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(child.pid, 0)    # reaped here, with its rusage
+        wall = time.perf_counter() - start
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            errors.seek(0)
+            said = errors.read().decode(errors="replace")[-2000:]
+            raise SystemExit(f"the variant failed ({child.returncode}):\n{code}\n{said}")
     return usage.ru_utime + usage.ru_stime, wall
 
 
